@@ -1,0 +1,119 @@
+"""Every ``KERAS_DIST_*`` setting, read from the environment once.
+
+Horovod's spellings (``HOROVOD_*``) are accepted where Horovod had the knob;
+the keras_dist spelling wins when both are set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+_MIB = 1 << 20
+
+
+def _raw(name: str, alias: str | None = None) -> tuple[str, str] | None:
+    for key in (name, alias):
+        if key and os.environ.get(key, "") != "":
+            return key, os.environ[key]
+    return None
+
+
+def _float(name: str, default: float | None, alias: str | None = None) -> float | None:
+    found = _raw(name, alias)
+    if found is None:
+        return default
+    key, value = found
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"`{key}` must be a number. Received: {key}={value!r}") from None
+    if number < 0:
+        raise ValueError(f"`{key}` must be >= 0. Received: {key}={value!r}")
+    return number
+
+
+def _int(name: str, default: int | None, alias: str | None = None) -> int | None:
+    number = _float(name, None, alias)
+    if number is None:
+        return default
+    if number != int(number):
+        key, value = _raw(name, alias)
+        raise ValueError(f"`{key}` must be a whole number. Received: {key}={value!r}")
+    return int(number)
+
+
+def _choice(name: str, choices: tuple[str, ...], default: str, alias: str | None = None) -> str:
+    found = _raw(name, alias)
+    if found is None:
+        return default
+    key, value = found
+    value = value.strip().lower()
+    if value not in choices:
+        raise ValueError(f"`{key}` must be one of {choices}. Received: {key}={value!r}")
+    return value
+
+
+def _flag(name: str, default: bool, alias: str | None = None) -> bool:
+    found = _raw(name, alias)
+    if found is None:
+        return default
+    key, value = found
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"`{key}` must be 0/1/true/false. Received: {key}={value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Settings of one process, parsed from its environment."""
+
+    #: CPU data plane: "auto" (shm when it can serve, else mpi), "shm" or "mpi".
+    cpu_operations: str = "auto"
+    #: GPU data plane: "auto" (nccl when cupy has it), "nccl" or "mpi".
+    gpu_operations: str = "auto"
+    #: Largest fused gradient bucket, in bytes.
+    fusion_threshold_bytes: int = 64 * _MIB
+    #: Seconds a rank waits in a collective before warning of a stall (0: never).
+    stall_check_seconds: float = 60.0
+    #: Seconds after which a waiting collective raises (None: never).
+    timeout_seconds: float | None = None
+    #: Chrome-trace timeline written by rank 0, or None.
+    timeline_path: str | None = None
+    #: Pretend each machine holds this many ranks (tests of the hierarchical path).
+    ranks_per_node: int | None = None
+    #: Shared-memory bytes per rank slot of the shm engine.
+    shm_slot_bytes: int = 16 * _MIB
+    #: Read peers' buffers with process_vm_readv where permitted.
+    shm_single_copy: bool = True
+    #: Job identifier (set by kdrun); scopes shared-memory names.
+    job_id: str | None = None
+
+    @classmethod
+    def from_env(cls) -> Config:
+        timeout = _float("KERAS_DIST_TIMEOUT_SECONDS", None)
+        return cls(
+            cpu_operations=_choice(
+                "KERAS_DIST_CPU_OPERATIONS", ("auto", "shm", "mpi"), "auto",
+                "HOROVOD_CPU_OPERATIONS",
+            ),
+            gpu_operations=_choice(
+                "KERAS_DIST_GPU_OPERATIONS", ("auto", "nccl", "mpi"), "auto",
+                "HOROVOD_GPU_OPERATIONS",
+            ),
+            fusion_threshold_bytes=_int(
+                "KERAS_DIST_FUSION_THRESHOLD", 64 * _MIB, "HOROVOD_FUSION_THRESHOLD"
+            ),
+            stall_check_seconds=_float(
+                "KERAS_DIST_STALL_CHECK_SECONDS", 60.0, "HOROVOD_STALL_CHECK_TIME_SECONDS"
+            ),
+            timeout_seconds=timeout if timeout else None,
+            timeline_path=(_raw("KERAS_DIST_TIMELINE", "HOROVOD_TIMELINE") or (None, None))[1],
+            ranks_per_node=_int("KERAS_DIST_RANKS_PER_NODE", None) or None,
+            shm_slot_bytes=_int("KERAS_DIST_SHM_SLOT_BYTES", 16 * _MIB),
+            shm_single_copy=_flag("KERAS_DIST_SHM_SINGLE_COPY", True),
+            job_id=(_raw("KERAS_DIST_JOB_ID") or (None, None))[1],
+        )

@@ -1,0 +1,59 @@
+"""The interface every transport implements.
+
+A transport moves flat, C-contiguous, one-dimensional numpy buffers. It knows
+nothing of tensors, Keras or fusion: the tensor layer (``ops.py``) hands it
+buffers and an op code from ``keras_dist._dtypes``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class Transport(abc.ABC):
+    """A set of collectives over one group of processes."""
+
+    #: Short name used in settings and error messages ("mpi", "shm", ...).
+    name: str = ""
+
+    def __init__(self) -> None:
+        self._scratch = np.empty(0, np.uint8)
+
+    @abc.abstractmethod
+    def allreduce(self, buf: np.ndarray, op: int) -> None:
+        """Reduces ``buf`` across ranks in place with ``op`` (SUM/MIN/MAX/PRODUCT)."""
+
+    @abc.abstractmethod
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        """Overwrites ``buf`` on every rank with its contents on ``root``."""
+
+    @abc.abstractmethod
+    def allgatherv(
+        self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]
+    ) -> None:
+        """Concatenates every rank's ``send`` into ``recv`` in rank order.
+
+        ``counts[r]`` is the number of elements rank ``r`` sends; ``recv`` has
+        ``sum(counts)`` elements of ``send``'s dtype.
+        """
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Returns once every rank has entered the barrier."""
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        """A reusable byte buffer of at least ``nbytes`` for packing messages.
+
+        The tensor layer packs fused messages into it. A transport may return
+        memory it can reduce from without a copy (the shm transport returns a
+        view of its own shared slot); the default grows one private buffer.
+        """
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(max(nbytes, 2 * self._scratch.nbytes), np.uint8)
+        return self._scratch[:nbytes]
+
+    def close(self) -> None:
+        """Releases the transport's resources; safe to call twice."""
