@@ -1,0 +1,90 @@
+"""keras_dist: Horovod-style data-parallel training for Keras 3.
+
+Example:
+
+```python
+import keras_dist as kd
+
+kd.init()
+model.compile(optimizer=kd.DistributedOptimizer(keras.optimizers.SGD(0.01 * kd.size())),
+              loss="sparse_categorical_crossentropy")
+model.fit(x, y, callbacks=[kd.callbacks.BroadcastGlobalVariablesCallback(0),
+                           kd.callbacks.MetricAverageCallback()],
+          verbose=1 if kd.rank() == 0 else 0)
+```
+Launch with ``kdrun -np 4 python train.py``.
+"""
+
+from __future__ import annotations
+
+from keras_dist._context import get as _get
+from keras_dist._context import init, is_initialized, shutdown
+from keras_dist.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    KerasDistError,
+    NotInitializedError,
+    PeerFailureError,
+    StallWarning,
+    TransportError,
+)
+from keras_dist.ops import (
+    Average,
+    Compression,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    allgather,
+    allgather_object,
+    allreduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+    broadcast_variables,
+    grouped_allreduce,
+)
+from keras_dist.timeline import start_timeline, stop_timeline
+
+__version__ = "0.1.0"
+
+
+def size() -> int:
+    """The number of ranks in the job."""
+    return _get().size
+
+
+def rank() -> int:
+    """This process's rank, in [0, size())."""
+    return _get().rank
+
+
+def local_size() -> int:
+    """The number of ranks on this machine."""
+    return _get().local_size
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks on its machine."""
+    return _get().local_rank
+
+
+def cross_size() -> int:
+    """The number of machines (ranks sharing this process's local rank)."""
+    return _get().cross_size
+
+
+def cross_rank() -> int:
+    """This machine's index among the machines of the job."""
+    return _get().cross_rank
+
+
+__all__ = [
+    "Average", "CollectiveMismatchError", "CollectiveTimeoutError", "Compression",
+    "KerasDistError", "Max", "Min", "NotInitializedError", "PeerFailureError", "Product",
+    "ReduceOp", "StallWarning", "Sum", "TransportError", "allgather", "allgather_object",
+    "allreduce", "barrier", "broadcast", "broadcast_object", "broadcast_variables",
+    "cross_rank", "cross_size", "grouped_allreduce", "init", "is_initialized", "local_rank",
+    "local_size", "rank", "shutdown", "size", "start_timeline", "stop_timeline",
+]

@@ -1,0 +1,1 @@
+"""Transports: one class per module, all implementing ``base.Transport``."""

@@ -1,0 +1,67 @@
+"""Fusion: many tensors of one dtype travel as one flat buffer.
+
+``plan_buckets`` groups arrays by dtype, in first-appearance order, and splits
+each group at the fusion threshold. Every rank builds the same plan from the
+same list, so buckets line up across ranks without any negotiation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def plan_buckets(arrays: Sequence[np.ndarray], threshold_bytes: int) -> list[list[int]]:
+    """Returns lists of indices into ``arrays``; each list is one bucket.
+
+    A bucket holds arrays of a single dtype whose total size stays within
+    ``threshold_bytes``; an array larger than the threshold is a bucket alone.
+    Empty arrays are left out: they need no communication.
+    """
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for index, array in enumerate(arrays):
+        if array.size:
+            by_dtype.setdefault(array.dtype, []).append(index)
+    buckets: list[list[int]] = []
+    for indices in by_dtype.values():
+        current: list[int] = []
+        current_bytes = 0
+        for index in indices:
+            nbytes = arrays[index].nbytes
+            if current and current_bytes + nbytes > threshold_bytes:
+                buckets.append(current)
+                current, current_bytes = [], 0
+            current.append(index)
+            current_bytes += nbytes
+        if current:
+            buckets.append(current)
+    return buckets
+
+
+def pack(arrays: Sequence[np.ndarray], out: np.ndarray, scale: float = 1.0) -> None:
+    """Copies ``arrays`` end to end into the flat ``out`` (times ``scale``)."""
+    offset = 0
+    for array in arrays:
+        target = out[offset : offset + array.size].reshape(array.shape)
+        if scale == 1.0:
+            np.copyto(target, array, casting="same_kind")
+        else:
+            np.multiply(array, scale, out=target, casting="unsafe")
+        offset += array.size
+
+
+def unpack(flat: np.ndarray, like: Sequence[np.ndarray], scale: float = 1.0) -> list[np.ndarray]:
+    """Splits ``flat`` into fresh arrays shaped like ``like`` (times ``scale``)."""
+    outputs = []
+    offset = 0
+    for array in like:
+        piece = flat[offset : offset + array.size].reshape(array.shape)
+        out = np.empty(array.shape, array.dtype)
+        if scale == 1.0:
+            np.copyto(out, piece, casting="unsafe")
+        else:
+            np.multiply(piece, scale, out=out, casting="unsafe")
+        outputs.append(out)
+        offset += array.size
+    return outputs
