@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 
-class Transport(abc.ABC):  # noqa: B024 - close() is optional
+class Transport(abc.ABC):
     """A set of collectives over one group of processes."""
 
     #: Short name used in settings and error messages ("mpi", "shm", ...).
