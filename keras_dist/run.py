@@ -1,0 +1,547 @@
+"""``kdrun``: runs a command on N ranks through ``mpiexec``.
+
+    kdrun -np 4 python train.py --epochs 3
+    kdrun -np 4 -H node1:2,node2:2 --timeline /tmp/tl.json -- python train.py
+
+The mpiexec used is the one installed beside the running Python (``pip
+install mpich`` puts it there), else the first on ``PATH``. Open MPI and
+MPICH's hydra are both handled.
+
+Every rank gets ``KERAS_DIST_JOB_ID`` (random, unique to the job),
+``KERAS_DIST_STATUS_DIR`` (a private directory through which ranks report how
+they ended, see ``keras_dist._jobstatus``) and ``KERAS_DIST_TIMELINE`` when
+``--timeline`` is given. When the job fails, kdrun names the rank that raised
+or died. Whatever happened, it leaves no process of the job running and
+removes the shared-memory files the job left in ``/dev/shm``.
+
+This process never imports mpi4py: an MPI-initialised launcher would itself
+leave MPICH's shared-memory segment behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from keras_dist import _jobstatus
+
+USAGE = """\
+usage: kdrun -np N [-H HOST:SLOTS[,...]] [--timeline PATH] [--output-dir DIR] [--] COMMAND...
+
+Runs COMMAND (no shell) on N ranks through mpiexec.
+
+options:
+  -np N, -n N          number of ranks
+  -H, --hosts LIST     hosts and slots, e.g. node1:2,node2:2 (default: this machine)
+  --timeline PATH      write a Chrome-trace timeline of the collectives to PATH
+  --output-dir DIR     write each rank's output to DIR/rank<r>.stdout and .stderr
+                       (MPICH; Open MPI uses its own --output-filename layout)
+  --mpiexec PATH       the mpiexec to use (default: beside this Python, else on PATH)
+  -h, --help           show this message
+"""
+
+JOB_ID_ENV = "KERAS_DIST_JOB_ID"
+TIMELINE_ENV = "KERAS_DIST_TIMELINE"
+SHM_DIR = "/dev/shm"
+# Seconds the ranks get to stop after a forwarded SIGINT/SIGTERM, and after
+# mpiexec itself has ended, before kdrun kills what is left.
+STOP_GRACE_SECONDS = 3.0
+_POLL_SECONDS = 0.05
+
+
+class UsageError(ValueError):
+    """The command line given to kdrun is invalid."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    """A parsed kdrun command line."""
+
+    num_proc: int
+    command: tuple[str, ...]
+    hosts: tuple[tuple[str, int], ...] = ()
+    timeline: str | None = None
+    mpiexec: str | None = None
+    output_dir: str | None = None
+
+
+def _parse_hosts(text: str) -> tuple[tuple[str, int], ...]:
+    hosts = []
+    for item in text.split(","):
+        name, _, slots = item.strip().partition(":")
+        if not name or (slots and not slots.isdigit()) or slots == "0":
+            raise UsageError(
+                f"`-H` must be a comma-separated list of host[:slots] with slots >= 1. "
+                f"Received: -H {text!r}"
+            )
+        hosts.append((name, int(slots) if slots else 1))
+    return tuple(hosts)
+
+
+def parse_args(argv: list[str]) -> LaunchOptions:
+    """Parses kdrun's arguments; everything from the command on is passed untouched.
+
+    Raises:
+        UsageError: an unknown option, a missing value, or no command.
+    """
+    values: dict[str, str] = {}
+    names = {
+        "-np": "np", "-n": "np", "--num-proc": "np",
+        "-H": "hosts", "--hosts": "hosts", "-hosts": "hosts",
+        "--timeline": "timeline", "--mpiexec": "mpiexec", "--output-dir": "output_dir",
+    }
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg == "--":
+            index += 1
+            break
+        if arg in ("-h", "--help"):
+            raise UsageError("")
+        if not arg.startswith("-") or arg == "-":
+            break
+        name, has_value, value = arg.partition("=")
+        if name not in names:
+            raise UsageError(f"Unknown option {arg!r}. Put `--` before the command if it "
+                             "starts with '-'.")
+        if not has_value:
+            if index + 1 >= len(argv):
+                raise UsageError(f"Option {name} needs a value.")
+            index += 1
+            value = argv[index]
+        values[names[name]] = value
+        index += 1
+    command = tuple(argv[index:])
+    if "np" not in values:
+        raise UsageError("`-np N` is required.")
+    if not values["np"].isdigit() or int(values["np"]) < 1:
+        raise UsageError(f"`-np` must be a whole number >= 1. Received: -np {values['np']!r}")
+    if not command:
+        raise UsageError("No command given to run.")
+    timeline = values.get("timeline")
+    return LaunchOptions(
+        num_proc=int(values["np"]),
+        command=command,
+        hosts=_parse_hosts(values["hosts"]) if "hosts" in values else (),
+        timeline=os.path.abspath(timeline) if timeline else None,
+        mpiexec=values.get("mpiexec"),
+        output_dir=os.path.abspath(values["output_dir"]) if "output_dir" in values else None,
+    )
+
+
+def find_mpiexec() -> str | None:
+    """The mpiexec beside ``sys.executable`` (the mpich wheel's), else the one on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpiexec")
+
+
+def mpi_flavor(mpiexec: str) -> str:
+    """``"openmpi"`` or ``"mpich"`` (hydra, also Intel MPI), from ``mpiexec --version``."""
+    try:
+        result = subprocess.run(
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=30,
+            stdin=subprocess.DEVNULL,
+        )
+        text = result.stdout + result.stderr
+    except (OSError, subprocess.TimeoutExpired):
+        text = ""
+    if "Open MPI" in text or "OpenRTE" in text or "open-mpi" in text:
+        return "openmpi"
+    return "mpich"
+
+
+def build_command(
+    mpiexec: str, flavor: str, options: LaunchOptions, job_env: dict[str, str]
+) -> list[str]:
+    """The mpiexec command line that runs ``options.command`` with ``job_env`` set."""
+    args = [mpiexec]
+    if flavor == "openmpi":
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            args.append("--allow-run-as-root")
+        args.append("--oversubscribe")
+        if options.hosts:
+            args += ["-H", ",".join(f"{host}:{slots}" for host, slots in options.hosts)]
+        for name, value in job_env.items():
+            args += ["-x", f"{name}={value}"]
+        if options.output_dir:
+            args += ["--output-filename", options.output_dir]
+        args += ["-np", str(options.num_proc)]
+    else:
+        if options.hosts:
+            args += ["-hosts", ",".join(f"{host}:{slots}" for host, slots in options.hosts)]
+        for name, value in job_env.items():
+            args += ["-genv", name, value]
+        if options.output_dir:
+            pattern = os.path.join(options.output_dir, "rank%r")
+            args += ["-outfile-pattern", pattern + ".stdout", "-errfile-pattern",
+                     pattern + ".stderr"]
+        args += ["-n", str(options.num_proc)]
+    return args + list(options.command)
+
+
+# --- processes and shared memory ---------------------------------------------
+
+
+def find_job_processes(name: str, value: str) -> list[int]:
+    """Pids of live processes (other than this one) whose environment has ``name=value``."""
+    needle = f"{name}={value}".encode()
+    found = []
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                environ = handle.read()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry))
+    return found
+
+
+def kill_job_processes(job_id: str) -> int:
+    """SIGKILLs every process carrying the job id; returns how many were found."""
+    total = 0
+    for _ in range(20):
+        pids = find_job_processes(JOB_ID_ENV, job_id)
+        if not pids:
+            break
+        total = max(total, len(pids))
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
+    return total
+
+
+def shm_snapshot() -> dict[str, int]:
+    """``{name: inode}`` of the files now in /dev/shm."""
+    try:
+        return {entry.name: entry.inode() for entry in os.scandir(SHM_DIR)}
+    except OSError:
+        return {}
+
+
+def _shm_in_use() -> set[str]:
+    """Names of /dev/shm files that a live process maps or holds open."""
+    used = set()
+    prefix = SHM_DIR + "/"
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps", encoding="utf-8", errors="replace") as handle:
+                for line in handle:
+                    at = line.find(prefix)
+                    if at >= 0:
+                        used.add(line[at + len(prefix):].strip().split(" ")[0])
+        except OSError:
+            pass
+        try:
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+                if target.startswith(prefix):
+                    used.add(target[len(prefix):].split(" ")[0])
+        except OSError:
+            pass
+    return used
+
+
+def cleanup_shm(job_id: str, before: dict[str, int]) -> list[str]:
+    """Removes the shared-memory files the job left in /dev/shm.
+
+    That is: files of this user whose name holds the job id (keras_dist's own
+    segments), and MPICH's ``mpich_shm_*`` files that appeared since the job
+    started and that no live process maps or holds open. Returns the names removed.
+    """
+    uid = os.geteuid()
+    candidates = []
+    for name, inode in shm_snapshot().items():
+        ours = job_id in name
+        mpich_new = name.startswith("mpich_shm_") and before.get(name) != inode
+        if not (ours or mpich_new):
+            continue
+        try:
+            if os.lstat(os.path.join(SHM_DIR, name)).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        candidates.append((name, ours))
+    if not candidates:
+        return []
+    in_use = _shm_in_use() if any(not ours for _, ours in candidates) else set()
+    removed = []
+    for name, ours in candidates:
+        if not ours and name in in_use:
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+# --- watching ranks ------------------------------------------------------------
+
+
+class _RankWatcher:
+    """Follows the ranks' start files and notes the order in which local ranks exit.
+
+    The first rank to exit without finishing is the one that died; hydra kills
+    the others only after it noticed. Exits are observed through pidfds, so a
+    rank's death is seen as it happens, not at the next poll.
+    """
+
+    def __init__(self, status_dir: str) -> None:
+        self._status_dir = status_dir
+        self._host = socket.gethostname()
+        self._seen: set[int] = set()
+        self._fds: dict[int, int] = {}  # pidfd -> rank
+        self.exit_order: list[int] = []
+
+    def poll(self, timeout: float) -> None:
+        self._scan()
+        if not self._fds:
+            time.sleep(timeout)
+            return
+        try:
+            ready, _, _ = select.select(list(self._fds), [], [], timeout)
+        except (OSError, ValueError):
+            return
+        for fd in ready:
+            self._exited(fd)
+
+    def close(self) -> None:
+        # A final look: ranks that ended between the last poll and now.
+        self._scan()
+        if self._fds:
+            try:
+                ready, _, _ = select.select(list(self._fds), [], [], 0)
+            except (OSError, ValueError):
+                ready = []
+            for fd in ready:
+                self._exited(fd)
+        for fd in list(self._fds):
+            os.close(fd)
+        self._fds.clear()
+
+    def _exited(self, fd: int) -> None:
+        self.exit_order.append(self._fds.pop(fd))
+        os.close(fd)
+
+    def _scan(self) -> None:
+        try:
+            names = os.listdir(self._status_dir)
+        except OSError:
+            return
+        for name in names:
+            if not (name.startswith("rank") and name.endswith(".start")):
+                continue
+            try:
+                rank = int(name[4:-6])
+            except ValueError:
+                continue
+            if rank in self._seen:
+                continue
+            status = _jobstatus.read_status(self._status_dir).get(rank)
+            if status is None or status.pid is None:
+                continue  # written by rename, so this is rare; retry next poll
+            self._seen.add(rank)
+            if status.host != self._host or not hasattr(os, "pidfd_open"):
+                continue
+            try:
+                self._fds[os.pidfd_open(status.pid)] = rank
+            except ProcessLookupError:
+                self.exit_order.append(rank)
+            except OSError:
+                pass
+
+
+def describe_failure(
+    statuses: dict[int, _jobstatus.RankStatus], num_proc: int, exit_order: list[int],
+    returncode: int,
+) -> list[str]:
+    """kdrun's lines explaining a failed job, one per failed rank."""
+    lines = []
+    errors = [status for status in statuses.values() if status.error is not None]
+    unfinished = [s for s in statuses.values() if s.started and not s.done and s.error is None]
+    for status in errors:
+        lines.append(f"kdrun: {status.describe()} raised an exception: {status.error_summary}")
+    if not statuses:
+        lines.append(
+            f"kdrun: the job failed (mpiexec exit code {returncode}) and no rank reported its "
+            "status: the command may have failed before keras_dist.init()."
+        )
+        return lines
+    died = [statuses[rank] for rank in exit_order if statuses[rank] in unfinished][:1]
+    if not errors:
+        # The first local rank seen to exit is the one that died; without that
+        # (ranks on other hosts) every unfinished rank is a suspect.
+        for status in died or unfinished:
+            lines.append(
+                f"kdrun: {status.describe()} ended without finishing: "
+                "killed by a signal or exited early"
+            )
+    stopped = [s.rank for s in unfinished if errors or (died and s is not died[0])]
+    if stopped:
+        ranks = ", ".join(str(rank) for rank in stopped)
+        lines.append(f"kdrun: rank{'s' if len(stopped) > 1 else ''} {ranks} "
+                     "stopped when the job ended.")
+    missing = [rank for rank in range(num_proc) if rank not in statuses]
+    if missing:
+        ranks = ", ".join(str(rank) for rank in missing)
+        lines.append(f"kdrun: rank{'s' if len(missing) > 1 else ''} {ranks} never reported "
+                     "starting (failed or stopped before keras_dist.init()).")
+    return lines
+
+
+# --- the launcher --------------------------------------------------------------
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
+def launch(options: LaunchOptions) -> int:
+    """Runs the job; returns kdrun's exit code."""
+    mpiexec = options.mpiexec or find_mpiexec()
+    if mpiexec is None:
+        _say(f"kdrun: cannot find mpiexec (looked beside {sys.executable} and on PATH). "
+             "Install an MPI, for example `pip install mpich`.")
+        return 127
+    flavor = mpi_flavor(mpiexec)
+    if options.output_dir:
+        os.makedirs(options.output_dir, exist_ok=True)
+    job_id = secrets.token_hex(8)
+    status_dir = tempfile.mkdtemp(prefix=f"kdrun-{job_id}-")
+    os.chmod(status_dir, 0o700)
+    job_env = {JOB_ID_ENV: job_id, _jobstatus.STATUS_DIR_ENV: status_dir}
+    if options.timeline:
+        job_env[TIMELINE_ENV] = options.timeline
+    env = dict(os.environ, **job_env)
+    if flavor == "openmpi" and os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    shm_before = shm_snapshot()
+    received: list[int] = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    watcher = _RankWatcher(status_dir)
+    proc = None
+    try:
+        try:
+            proc = subprocess.Popen(
+                build_command(mpiexec, flavor, options, job_env), env=env,
+                start_new_session=True,
+            )
+        except OSError as error:
+            _say(f"kdrun: cannot start {mpiexec}: {error}")
+            return 127
+        returncode = _supervise(proc, watcher, received, job_id)
+        watcher.close()
+        if received:
+            return 128 + received[0]
+        if returncode != 0:
+            statuses = _jobstatus.read_status(status_dir)
+            for line in describe_failure(statuses, options.num_proc, watcher.exit_order,
+                                         returncode):
+                _say(line)
+        return returncode
+    finally:
+        watcher.close()
+        if proc is not None and proc.poll() is None:
+            _kill_group(proc)
+        kill_job_processes(job_id)
+        cleanup_shm(job_id, shm_before)
+        shutil.rmtree(status_dir, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _supervise(proc: subprocess.Popen, watcher: _RankWatcher, received: list[int],
+               job_id: str) -> int:
+    """Waits for mpiexec, forwarding signals; returns kdrun's exit code for it."""
+    forwarded = 0
+    kill_at = None
+    while proc.poll() is None:
+        if len(received) > forwarded:
+            signum = received[forwarded]
+            forwarded = len(received)
+            if forwarded == 1:
+                _say(f"kdrun: {signal.Signals(signum).name} received; stopping the job.")
+                kill_at = time.monotonic() + STOP_GRACE_SECONDS
+            else:
+                kill_at = time.monotonic()  # asked twice: stop now
+            try:
+                proc.send_signal(signum)
+            except OSError:
+                pass
+        if kill_at is not None and time.monotonic() >= kill_at:
+            _kill_group(proc)
+            kill_job_processes(job_id)
+            break
+        watcher.poll(_POLL_SECONDS)
+    returncode = proc.wait()
+    # mpiexec is gone; give ranks it left behind (-disable-auto-cleanup, a
+    # crashed hydra) a moment to end on their own, then kill them.
+    deadline = time.monotonic() + (0 if received else STOP_GRACE_SECONDS)
+    while find_job_processes(JOB_ID_ENV, job_id) and time.monotonic() < deadline:
+        watcher.poll(_POLL_SECONDS)
+    left = kill_job_processes(job_id)
+    if left:
+        _say(f"kdrun: killed {left} process{'es' if left > 1 else ''} of the job that "
+             "outlived mpiexec.")
+        if returncode == 0:
+            returncode = 1
+    if returncode < 0:
+        return 128 - returncode
+    return returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kdrun`` and ``python -m keras_dist.run``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        options = parse_args(argv)
+    except UsageError as error:
+        if str(error):
+            _say(f"kdrun: {error}")
+            sys.stderr.write(USAGE)
+            return 2
+        sys.stdout.write(USAGE)
+        return 0
+    return launch(options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

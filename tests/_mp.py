@@ -1,0 +1,261 @@
+"""Run a command on N ranks under ``kdrun`` from a test, with a hard timeout.
+
+Usage::
+
+    from tests._mp import run_job
+
+    result = run_job("tests/multiprocess/worker_allreduce.py", np=2, timeout=60)
+    assert result.returncode == 0, result.describe()
+    # or, the same in one call:
+    run_job(["python", "-c", "import keras_dist as kd; kd.init()"], np=3, timeout=60).check()
+
+``run_job`` starts ``python -m keras_dist.run -np N --output-dir DIR COMMAND``
+in a process group of its own. The repository root is put first on
+``PYTHONPATH`` (so the tree is tested, installed or not) and
+``PYTHONUNBUFFERED=1`` is set (so output printed before a crash or a kill is
+not lost). Each rank's stdout/stderr is written to its own file, so a result
+holds every rank's output separately, and ``result.describe()`` formats all of
+it for an assertion message.
+
+On timeout, kdrun first gets SIGTERM (its own clean shutdown), then, 5 s
+later, its process group and every process carrying the job's tag
+(``KERAS_DIST_TEST_TAG`` in the environment; MPICH runs each rank in a session
+of its own) are SIGKILLed. The result then has ``timed_out=True`` and
+``returncode`` is what kdrun returned, or -9 if it had to be killed.
+
+Always pass ``timeout`` well under the test's pytest-timeout, so the helper's
+clean-up runs before pytest gives up on the test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TAG_ENV = "KERAS_DIST_TEST_TAG"
+
+
+@dataclasses.dataclass
+class JobResult:
+    """What a kdrun job did.
+
+    Attributes:
+        args: the kdrun command line that ran.
+        returncode: kdrun's exit status (-9 when the helper had to kill it).
+        stdout: every rank's stdout in rank order, then kdrun's/mpiexec's own stdout.
+        stderr: kdrun's/mpiexec's own stderr, then every rank's stderr in rank order.
+        launcher_stdout: what kdrun and mpiexec themselves printed to stdout.
+        launcher_stderr: what kdrun and mpiexec themselves printed to stderr
+            (kdrun's "kdrun: rank 1 ... raised ..." lines are here).
+        rank_stdout: ``{rank: text}`` for every rank that wrote a stdout file.
+        rank_stderr: ``{rank: text}`` for every rank that wrote a stderr file.
+        timed_out: the job ran past ``timeout`` and was stopped by the helper.
+        duration: seconds from start until kdrun ended (or was killed).
+        tag: the value of ``KERAS_DIST_TEST_TAG`` given to every process of the job.
+    """
+
+    args: list[str]
+    returncode: int
+    launcher_stdout: str
+    launcher_stderr: str
+    rank_stdout: dict[int, str]
+    rank_stderr: dict[int, str]
+    timed_out: bool
+    duration: float
+    tag: str
+
+    @property
+    def stdout(self) -> str:
+        ranks = "".join(self.rank_stdout[rank] for rank in sorted(self.rank_stdout))
+        return ranks + self.launcher_stdout
+
+    @property
+    def stderr(self) -> str:
+        ranks = "".join(self.rank_stderr[rank] for rank in sorted(self.rank_stderr))
+        return self.launcher_stderr + ranks
+
+    def output(self, rank: int) -> str:
+        """Rank ``rank``'s stdout followed by its stderr."""
+        return self.rank_stdout.get(rank, "") + self.rank_stderr.get(rank, "")
+
+    def describe(self) -> str:
+        """Everything the job printed, rank by rank, for an assertion message."""
+        return format_job_output(self)
+
+    def check(self) -> JobResult:
+        """Raises ``AssertionError`` with every rank's output unless the job succeeded."""
+        if self.returncode != 0 or self.timed_out:
+            raise AssertionError(self.describe())
+        return self
+
+
+def _block(title: str, text: str, limit: int = 20000) -> str:
+    if not text:
+        return f"----- {title}: (empty)\n"
+    if len(text) > limit:
+        text = f"[... {len(text) - limit} characters cut ...]\n" + text[-limit:]
+    return f"----- {title}:\n{text}{'' if text.endswith(chr(10)) else chr(10)}"
+
+
+def format_job_output(result: JobResult) -> str:
+    """Formats a job's exit status and every rank's stdout and stderr, separately."""
+    state = "TIMED OUT, killed" if result.timed_out else "ended"
+    parts = [
+        f"\n===== kdrun job {state} with exit code {result.returncode} after "
+        f"{result.duration:.1f}s\n      {' '.join(result.args)}\n",
+        _block("kdrun/mpiexec stdout", result.launcher_stdout),
+        _block("kdrun/mpiexec stderr", result.launcher_stderr),
+    ]
+    for rank in sorted(set(result.rank_stdout) | set(result.rank_stderr)):
+        parts.append(_block(f"rank {rank} stdout", result.rank_stdout.get(rank, "")))
+        parts.append(_block(f"rank {rank} stderr", result.rank_stderr.get(rank, "")))
+    parts.append("=====\n")
+    return "".join(parts)
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """Pids of live processes whose environment holds ``name=value`` (a /proc scan)."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if needle in handle.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def _kill_tagged(tag: str) -> None:
+    for _ in range(50):
+        pids = processes_with_env(TAG_ENV, tag)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.1)
+
+
+def _read_outputs(directory: str) -> tuple[dict[int, str], dict[int, str]]:
+    stdout: dict[int, str] = {}
+    stderr: dict[int, str] = {}
+    for path in Path(directory).iterdir():
+        # MPICH layout: rank<r>.stdout / rank<r>.stderr
+        name, _, kind = path.name.partition(".")
+        if name.startswith("rank") and name[4:].isdigit() and kind in ("stdout", "stderr"):
+            target = stdout if kind == "stdout" else stderr
+            target[int(name[4:])] = path.read_text(errors="replace")
+    # Open MPI layout: <dir>/1/rank.<r>/stdout
+    for path in Path(directory).glob("*/rank.*/std*"):
+        rank = path.parent.name.split(".", 1)[1]
+        if rank.isdigit() and path.name in ("stdout", "stderr"):
+            target = stdout if path.name == "stdout" else stderr
+            target[int(rank)] = path.read_text(errors="replace")
+    return stdout, stderr
+
+
+def run_job(
+    script_or_args: str | os.PathLike | Sequence[str],
+    np: int,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    *,
+    kdrun_args: Sequence[str] = (),
+    cwd: str | os.PathLike | None = None,
+    per_rank_output: bool = True,
+) -> JobResult:
+    """Runs ``kdrun -np np ...`` and returns its result; never hangs.
+
+    Args:
+        script_or_args: a Python script path (run as ``sys.executable SCRIPT``),
+            or a full command (a list: ``[sys.executable, "-c", code]``,
+            ``["python", script, "--flag"]``), passed to kdrun as is.
+        np: number of ranks.
+        timeout: seconds before the whole job is killed.
+        env: variables added to (or overriding) this process's environment.
+            A value of ``None`` removes that variable.
+        kdrun_args: extra kdrun options (``["-H", "localhost:2"]``, ...).
+        cwd: working directory (default: the repository root).
+        per_rank_output: give kdrun ``--output-dir`` so each rank's output is
+            kept apart. With False the ranks' output goes through mpiexec and
+            ends up in ``launcher_stdout`` / ``launcher_stderr``.
+
+    Returns:
+        A ``JobResult``; check it with ``result.check()`` or assert on
+        ``result.returncode`` with ``result.describe()`` as the message.
+    """
+    if isinstance(script_or_args, (str, os.PathLike)):
+        command = [sys.executable, os.fspath(script_or_args)]
+    else:
+        command = [os.fspath(arg) for arg in script_or_args]
+    tag = secrets.token_hex(8)
+    full_env = dict(os.environ)
+    for name, value in (env or {}).items():
+        if value is None:
+            full_env.pop(name, None)
+        else:
+            full_env[name] = value
+    path = full_env.get("PYTHONPATH", "")
+    full_env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + path if path else "")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    full_env[TAG_ENV] = tag
+    with tempfile.TemporaryDirectory(prefix="kdtest-") as scratch:
+        output_dir = os.path.join(scratch, "out")
+        args = [sys.executable, "-m", "keras_dist.run", "-np", str(np)]
+        if per_rank_output:
+            args += ["--output-dir", output_dir]
+        args += [*kdrun_args, "--", *command]
+        out_path, err_path = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
+        start = time.monotonic()
+        timed_out = False
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=full_env,
+                cwd=os.fspath(cwd) if cwd is not None else str(REPO_ROOT),
+                start_new_session=True,
+            )
+            try:
+                returncode = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    returncode = proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                    returncode = proc.wait()
+            finally:
+                duration = time.monotonic() - start
+                _kill_tagged(tag)
+        rank_stdout, rank_stderr = (
+            _read_outputs(output_dir) if os.path.isdir(output_dir) else ({}, {})
+        )
+        return JobResult(
+            args=args,
+            returncode=returncode,
+            launcher_stdout=Path(out_path).read_text(errors="replace"),
+            launcher_stderr=Path(err_path).read_text(errors="replace"),
+            rank_stdout=rank_stdout,
+            rank_stderr=rank_stderr,
+            timed_out=timed_out,
+            duration=duration,
+            tag=tag,
+        )
