@@ -1,0 +1,75 @@
+"""The public API in one process (size 1, the local transport)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import keras_dist as kd
+
+
+def test_calls_before_init_say_to_call_init():
+    code = ("import keras_dist as kd, numpy as np\n"
+            "for call in (kd.size, kd.rank, lambda: kd.allreduce(np.ones(2))):\n"
+            "    try:\n        call()\n    except kd.NotInitializedError as e:\n"
+            "        assert 'keras_dist.init()' in str(e), e\n"
+            "    else:\n        raise SystemExit('no error before init')\n"
+            "assert not kd.is_initialized()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                   env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group():
+    kd.init()
+    kd.init()  # idempotent
+    yield
+    kd.shutdown()
+
+
+def test_topology_of_one_process():
+    assert kd.is_initialized()
+    assert (kd.size(), kd.rank(), kd.local_size(), kd.local_rank(), kd.cross_size(),
+            kd.cross_rank()) == (1, 0, 1, 0, 1, 0)
+
+
+def test_size_one_collectives_are_the_identity():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    assert kd.allreduce(x) is x  # no copy at size 1
+    np.testing.assert_array_equal(kd.allreduce(x, op=kd.Sum), x)
+    np.testing.assert_allclose(kd.allreduce(x, prescale_factor=2.0, postscale_factor=0.25),
+                               x * 0.5, rtol=1e-6)
+    np.testing.assert_array_equal(kd.broadcast(x, 0), x)
+    np.testing.assert_array_equal(kd.allgather(x), x)
+    assert kd.allgather(np.float32(2.5)).shape == (1,)
+    assert kd.broadcast_object({"a": 1}) == {"a": 1}
+    assert kd.allgather_object(5) == [5]
+    assert kd.grouped_allreduce([]) == []
+    kd.barrier()
+
+
+def test_bad_arguments_are_explained():
+    with pytest.raises(ValueError, match=r"root_rank.*Received: root_rank=1 \(size=1\)"):
+        kd.broadcast(np.ones(2), root_rank=1)
+    with pytest.raises(TypeError, match="complex64"):
+        kd.allreduce(np.ones(2, np.complex64))
+    with pytest.raises(TypeError, match="prescale_factor"):
+        kd.allreduce(np.ones(2, np.int32), prescale_factor=2.0)
+    with pytest.raises(ValueError, match="op"):
+        kd.allreduce(np.ones(2), op="average")
+    with pytest.raises(TypeError, match="list or tuple"):
+        kd.grouped_allreduce(np.ones(2))
+
+
+def test_timeline_writes_valid_json(tmp_path):
+    import json
+
+    path = tmp_path / "timeline.json"
+    kd.start_timeline(str(path))
+    kd.allreduce(np.ones(3), name="grads")
+    kd.stop_timeline()
+    events = json.loads(path.read_text())
+    assert isinstance(events, list)

@@ -1,0 +1,64 @@
+"""Fusion planning, settings parsing and the dtype table, in one process."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from keras_dist import _dtypes, fusion
+from keras_dist._config import Config
+
+
+def test_buckets_group_by_dtype_in_first_appearance_order():
+    arrays = [np.ones(4, np.float32), np.ones(2, np.int64), np.ones(3, np.float32),
+              np.ones(0, np.float32), np.ones(5, np.int64)]
+    assert fusion.plan_buckets(arrays, 1 << 20) == [[0, 2], [1, 4]]
+
+
+def test_buckets_split_at_threshold_and_oversized_array_alone():
+    arrays = [np.ones(10, np.float32), np.ones(10, np.float32), np.ones(100, np.float32),
+              np.ones(5, np.float32)]
+    assert fusion.plan_buckets(arrays, 80) == [[0, 1], [2], [3]]
+
+
+def test_pack_unpack_round_trip_with_scale():
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in [(2, 3), (), (4,)]]
+    flat = np.empty(sum(a.size for a in arrays), np.float32)
+    fusion.pack(arrays, flat, scale=2.0)
+    restored = fusion.unpack(flat, arrays, scale=0.25)
+    for original, back in zip(arrays, restored):
+        assert back.shape == original.shape
+        np.testing.assert_allclose(back, original * 0.5, rtol=1e-6)
+
+
+def test_config_reads_keras_dist_and_horovod_spellings(monkeypatch):
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1024")
+    monkeypatch.setenv("HOROVOD_STALL_CHECK_TIME_SECONDS", "5")
+    monkeypatch.setenv("KERAS_DIST_CPU_OPERATIONS", "MPI")
+    config = Config.from_env()
+    assert config.fusion_threshold_bytes == 1024
+    assert config.stall_check_seconds == 5.0
+    assert config.cpu_operations == "mpi"
+    monkeypatch.setenv("KERAS_DIST_FUSION_THRESHOLD", "2048")
+    assert Config.from_env().fusion_threshold_bytes == 2048
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("KERAS_DIST_CPU_OPERATIONS", "gloo", "must be one of"),
+    ("KERAS_DIST_FUSION_THRESHOLD", "lots", "must be a number"),
+    ("KERAS_DIST_FUSION_THRESHOLD", "1.5", "whole number"),
+    ("KERAS_DIST_TIMEOUT_SECONDS", "-3", ">= 0"),
+])
+def test_config_rejects_bad_values_naming_them(monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message) as info:
+        Config.from_env()
+    assert name in str(info.value) and value in str(info.value)
+
+
+def test_dtype_table():
+    assert _dtypes.dtype_code(np.float32) == _dtypes.FLOAT32
+    assert _dtypes.dtype_code(ml_dtypes.bfloat16) == _dtypes.BFLOAT16
+    assert _dtypes.is_half(np.float16) and not _dtypes.is_half(np.float64)
+    with pytest.raises(TypeError, match="complex128"):
+        _dtypes.dtype_code(np.complex128)
