@@ -1,0 +1,55 @@
+// Element-wise reduction kernels shared by every transport.
+//
+// The integer codes match keras_dist/_dtypes.py; keep the two in step.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kd {
+
+enum class DType : int {
+  kFloat16 = 0,
+  kBFloat16 = 1,
+  kFloat32 = 2,
+  kFloat64 = 3,
+  kInt32 = 4,
+  kInt64 = 5,
+  kUInt8 = 6,
+};
+constexpr int kNumDTypes = 7;
+
+enum class Op : int { kSum = 0, kMin = 1, kMax = 2, kProduct = 3 };
+constexpr int kNumOps = 4;
+
+inline bool valid_dtype(int code) { return code >= 0 && code < kNumDTypes; }
+inline bool valid_op(int code) { return code >= 0 && code < kNumOps; }
+
+// Bytes per element; 0 for an invalid code.
+size_t dtype_size(int code);
+// "float32", ...; "dtype(<code>)" style text is left to callers for bad codes.
+const char* dtype_name(int code);
+const char* op_name(int code);
+
+// dst[i] = op(srcs[0][i], srcs[1][i], ..., srcs[nsrcs-1][i]) for i < count,
+// combined left to right. float16/bfloat16 accumulate in float32 and round to
+// nearest-even once, on the store. dst may be the same pointer as any source
+// (not a partial overlap). nsrcs == 0 leaves dst untouched. Codes must be valid.
+void reduce_many(void* dst, const void* const* srcs, size_t nsrcs, size_t count,
+                 DType dtype, Op op);
+
+// dst[i] = op(dst[i], src[i]).
+void reduce_inplace(void* dst, const void* src, size_t count, DType dtype, Op op);
+
+// Name of the kernel family in use: "avx2" or "baseline".
+const char* simd_level();
+// Tests only: use the baseline kernels even when the CPU has AVX2.
+void force_baseline(bool on);
+
+// Exact IEEE round-to-nearest-even conversions (NaN kept, quiet).
+float half_to_float(uint16_t h);
+uint16_t float_to_half(float f);
+float bfloat16_to_float(uint16_t b);
+uint16_t float_to_bfloat16(float f);
+
+}  // namespace kd

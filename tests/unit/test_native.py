@@ -1,0 +1,171 @@
+"""The native reduction kernels against numpy references, on both kernel families."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from keras_dist import _dtypes
+
+_native = pytest.importorskip("keras_dist._native")
+
+DTYPES = {
+    _dtypes.FLOAT16: np.dtype(np.float16),
+    _dtypes.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
+    _dtypes.FLOAT32: np.dtype(np.float32),
+    _dtypes.FLOAT64: np.dtype(np.float64),
+    _dtypes.INT32: np.dtype(np.int32),
+    _dtypes.INT64: np.dtype(np.int64),
+    _dtypes.UINT8: np.dtype(np.uint8),
+}
+OPS = {
+    _dtypes.SUM: np.add,
+    _dtypes.MIN: np.minimum,
+    _dtypes.MAX: np.maximum,
+    _dtypes.PRODUCT: np.multiply,
+}
+SIZES = [0, 1, 7, 513, 1000003]
+
+
+@pytest.fixture(params=["native", "baseline"], autouse=True)
+def kernel_family(request):
+    """Runs every test with the best kernels and again with the baseline ones."""
+    _native._force_baseline(request.param == "baseline")
+    yield request.param
+    _native._force_baseline(False)
+
+
+def random_array(rng, dtype, size, op):
+    """Random values, never zero; products stay in range for the float types."""
+    if dtype.kind == "f" or dtype == DTYPES[_dtypes.BFLOAT16]:
+        scale = 2.0 if op == _dtypes.PRODUCT else 100.0
+        mag = rng.uniform(0.5, scale, size)
+        values = np.where(rng.random(size) < 0.5, -mag, mag)
+        return values.astype(dtype)
+    info = np.iinfo(dtype)
+    values = rng.integers(info.min, info.max, size, dtype=dtype, endpoint=True)
+    values[values == 0] = 1
+    return values
+
+
+def reference(sources, dtype, op):
+    """Left-to-right combination; half types in float32, rounded once."""
+    acc_dtype = np.float32 if dtype.itemsize == 2 and dtype.kind != "i" else dtype
+    acc = sources[0].astype(acc_dtype)
+    with np.errstate(over="ignore"):
+        for src in sources[1:]:
+            acc = OPS[op](acc, src.astype(acc_dtype))
+        return acc.astype(dtype)
+
+
+def same_bits(actual, expected):
+    return np.array_equal(actual.view(np.uint8), expected.view(np.uint8))
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("code", list(DTYPES))
+def test_reduce_inplace_matches_numpy(code, op, size):
+    dtype = DTYPES[code]
+    rng = np.random.default_rng(size * 31 + code * 7 + op)
+    dst = random_array(rng, dtype, size, op)
+    src = random_array(rng, dtype, size, op)
+    expected = reference([dst, src], dtype, op)
+    _native.reduce_inplace(dst.view(np.uint8), src.view(np.uint8), code, op)
+    assert same_bits(dst, expected)
+    if dtype.kind == "f" and op == _dtypes.SUM and size:
+        exact = dst.astype(np.float64)  # also close to the float64 answer
+        rtol = 1e-2 if dtype.itemsize == 2 else 1e-6
+        assert np.allclose(exact, expected.astype(np.float64), rtol=rtol)
+
+
+@pytest.mark.parametrize("nsrcs", [1, 2, 3, 5])
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("code", list(DTYPES))
+def test_reduce_many_rounds_once(code, op, nsrcs):
+    dtype = DTYPES[code]
+    rng = np.random.default_rng(nsrcs * 100 + code * 10 + op)
+    sources = [random_array(rng, dtype, 4099, op) for _ in range(nsrcs)]
+    dst = np.empty_like(sources[0])
+    _native.reduce_many(dst.view(np.uint8), [s.view(np.uint8) for s in sources], code, op)
+    assert same_bits(dst, reference(sources, dtype, op))
+    # The destination may be one of the sources.
+    _native.reduce_many(sources[-1].view(np.uint8), [s.view(np.uint8) for s in sources], code, op)
+    assert same_bits(sources[-1], dst)
+
+
+@pytest.mark.parametrize("code", [_dtypes.FLOAT16, _dtypes.BFLOAT16])
+def test_half_conversions_are_exact_for_every_bit_pattern(code):
+    dtype = DTYPES[code]
+    everything = np.arange(1 << 16, dtype=np.uint16).view(dtype)
+    finite = everything[np.isfinite(everything.astype(np.float32))]
+    # One source: load to float32 and store back must be the identity.
+    out = np.empty_like(finite)
+    _native.reduce_many(out.view(np.uint8), [finite.view(np.uint8)], code, _dtypes.SUM)
+    assert same_bits(out, finite)
+    # Sums of every value with a few others: float32 sum rounded once (ties included).
+    for other in (1.0, -3.5, 6.103515625e-05, 5.960464477539063e-08, 65504.0, 0.0999):
+        src = np.full_like(finite, other)
+        dst = finite.copy()
+        _native.reduce_inplace(dst.view(np.uint8), src.view(np.uint8), code, _dtypes.SUM)
+        assert same_bits(dst, reference([finite, src], dtype, _dtypes.SUM))
+
+
+@pytest.mark.parametrize(
+    "code", [_dtypes.FLOAT16, _dtypes.BFLOAT16, _dtypes.FLOAT32, _dtypes.FLOAT64]
+)
+def test_nan_and_inf_propagate_like_numpy(code):
+    dtype = DTYPES[code]
+    dst = np.array([np.nan, 1.0, np.inf, -np.inf, 2.0] * 5, dtype)
+    src = np.array([1.0, np.nan, 1.0, 5.0, -np.inf] * 5, dtype)
+    for op, func in OPS.items():
+        got = dst.copy()
+        _native.reduce_inplace(got.view(np.uint8), src.view(np.uint8), code, op)
+        with np.errstate(invalid="ignore"):
+            want = func(dst.astype(np.float64), src.astype(np.float64))
+        np.testing.assert_array_equal(got.astype(np.float64), want)
+
+
+def test_unaligned_buffers():
+    rng = np.random.default_rng(5)
+    for code, dtype in DTYPES.items():
+        a = random_array(rng, dtype, 1001, _dtypes.SUM)
+        b = random_array(rng, dtype, 1001, _dtypes.SUM)
+        raw_a = np.empty(a.nbytes + 1, np.uint8)[1:]
+        raw_b = np.empty(b.nbytes + 3, np.uint8)[3:]
+        raw_a[:] = a.view(np.uint8)
+        raw_b[:] = b.view(np.uint8)
+        _native.reduce_inplace(raw_a, raw_b, code, _dtypes.SUM)
+        assert same_bits(raw_a.copy().view(dtype), reference([a, b], dtype, _dtypes.SUM))
+
+
+def test_bad_inputs_raise_clear_errors():
+    f32 = np.ones(8, np.float32)
+    u8 = f32.view(np.uint8)
+    with pytest.raises(TypeError, match="dtype uint8"):
+        _native.reduce_inplace(f32, f32, _dtypes.FLOAT32, _dtypes.SUM)
+    with pytest.raises(ValueError, match="1-D"):
+        _native.reduce_inplace(u8.reshape(4, 8), u8.reshape(4, 8), _dtypes.FLOAT32, _dtypes.SUM)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _native.reduce_inplace(np.ones(64, np.uint8)[::2], u8, _dtypes.FLOAT32, _dtypes.SUM)
+    with pytest.raises(ValueError, match="as many bytes"):
+        _native.reduce_inplace(u8, u8[:16], _dtypes.FLOAT32, _dtypes.SUM)
+    with pytest.raises(ValueError, match="whole float32 elements"):
+        _native.reduce_inplace(u8[:6], u8[:6], _dtypes.FLOAT32, _dtypes.SUM)
+    with pytest.raises(ValueError, match="dtype code"):
+        _native.reduce_inplace(u8, u8, 7, _dtypes.SUM)
+    with pytest.raises(ValueError, match="op code"):
+        _native.reduce_inplace(u8, u8, _dtypes.FLOAT32, 4)
+    readonly = u8.copy()
+    readonly.flags.writeable = False
+    with pytest.raises(TypeError, match="writable"):
+        _native.reduce_inplace(readonly, u8, _dtypes.FLOAT32, _dtypes.SUM)
+    with pytest.raises(TypeError, match="uint8"):
+        _native.reduce_inplace([1, 2, 3, 4], u8[:4], _dtypes.UINT8, _dtypes.SUM)
+    with pytest.raises(ValueError, match=r"srcs\[1\]"):
+        _native.reduce_many(u8, [u8, u8[:4]], _dtypes.FLOAT32, _dtypes.SUM)
+
+
+def test_simd_level_names_a_family():
+    assert _native.simd_level() in ("avx2", "baseline")
