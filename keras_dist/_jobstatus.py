@@ -49,6 +49,12 @@ def record_start(rank: int) -> None:
     """Records that ``rank`` is running, with its pid and host name."""
     record = {"rank": int(rank), "pid": os.getpid(), "host": socket.gethostname()}
     _write(rank, "start", json.dumps(record))
+    directory = os.environ.get(STATUS_DIR_ENV)
+    if directory:  # init() again after shutdown(): the rank is running again
+        try:
+            os.unlink(os.path.join(directory, f"rank{int(rank)}.done"))
+        except OSError:
+            pass
 
 
 def record_error(rank: int, text: str) -> None:

@@ -460,8 +460,13 @@ def launch(options: LaunchOptions) -> int:
         watcher.close()
         if received:
             return 128 + received[0]
+        statuses = _jobstatus.read_status(status_dir)
+        if returncode == 0 and any(s.started and not s.done for s in statuses.values()):
+            # hydra reports success when a rank leaves without MPI_Finalize
+            # with status 0, even though it then SIGKILLs the others.
+            _say("kdrun: mpiexec reported success, but not every rank finished:")
+            returncode = 1
         if returncode != 0:
-            statuses = _jobstatus.read_status(status_dir)
             for line in describe_failure(statuses, options.num_proc, watcher.exit_order,
                                          returncode):
                 _say(line)

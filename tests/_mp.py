@@ -9,6 +9,9 @@ Usage::
     # or, the same in one call:
     run_job(["python", "-c", "import keras_dist as kd; kd.init()"], np=3, timeout=60).check()
 
+To signal a job while it runs (Ctrl-C tests), ``job = start_job(...)``, then
+``job.send_signal(signal.SIGINT)`` and ``result = job.wait(timeout)``.
+
 ``run_job`` starts ``python -m keras_dist.run -np N --output-dir DIR COMMAND``
 in a process group of its own. The repository root is put first on
 ``PYTHONPATH`` (so the tree is tested, installed or not) and
@@ -169,6 +172,116 @@ def _read_outputs(directory: str) -> tuple[dict[int, str], dict[int, str]]:
     return stdout, stderr
 
 
+class RunningJob:
+    """A kdrun job started by ``start_job``; ``wait()`` turns it into a ``JobResult``."""
+
+    def __init__(self, args: list[str], env: dict[str, str], cwd: str, per_rank_output: bool):
+        self.args = args
+        self.tag = env[TAG_ENV]
+        self._scratch = tempfile.TemporaryDirectory(prefix="kdtest-")
+        self._output_dir = os.path.join(self._scratch.name, "out")
+        if per_rank_output:
+            self.args = [*args[:5], "--output-dir", self._output_dir, *args[5:]]
+        self._out_path = os.path.join(self._scratch.name, "stdout")
+        self._err_path = os.path.join(self._scratch.name, "stderr")
+        self._start = time.monotonic()
+        with open(self._out_path, "wb") as out, open(self._err_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                self.args, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
+                cwd=cwd, start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        """kdrun's pid (send it signals with ``send_signal``)."""
+        return self.proc.pid
+
+    def send_signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def wait(self, timeout: float) -> JobResult:
+        """Waits up to ``timeout`` s for kdrun, killing the whole job past it."""
+        timed_out = False
+        try:
+            returncode = self.proc.wait(timeout=max(timeout - (time.monotonic() - self._start),
+                                                    0.01))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                returncode = self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                returncode = self.proc.wait()
+        finally:
+            duration = time.monotonic() - self._start
+            self.kill()
+        try:
+            rank_stdout, rank_stderr = (
+                _read_outputs(self._output_dir) if os.path.isdir(self._output_dir) else ({}, {})
+            )
+            return JobResult(
+                args=self.args,
+                returncode=returncode,
+                launcher_stdout=Path(self._out_path).read_text(errors="replace"),
+                launcher_stderr=Path(self._err_path).read_text(errors="replace"),
+                rank_stdout=rank_stdout,
+                rank_stderr=rank_stderr,
+                timed_out=timed_out,
+                duration=duration,
+                tag=self.tag,
+            )
+        finally:
+            self._scratch.cleanup()
+
+    def kill(self) -> None:
+        """SIGKILLs kdrun's process group and every process carrying the job's tag."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            self.proc.wait()
+        _kill_tagged(self.tag)
+
+
+def start_job(
+    script_or_args: str | os.PathLike | Sequence[str],
+    np: int,
+    env: Mapping[str, str] | None = None,
+    *,
+    kdrun_args: Sequence[str] = (),
+    cwd: str | os.PathLike | None = None,
+    per_rank_output: bool = True,
+) -> RunningJob:
+    """Starts a kdrun job without waiting (to signal it); arguments as in ``run_job``.
+
+    Always finish with ``job.wait(timeout)`` (in a ``try/finally`` or with
+    ``job.kill()``), so nothing of the job outlives the test.
+    """
+    if isinstance(script_or_args, (str, os.PathLike)):
+        command = [sys.executable, os.fspath(script_or_args)]
+    else:
+        command = [os.fspath(arg) for arg in script_or_args]
+    full_env = dict(os.environ)
+    for name, value in (env or {}).items():
+        if value is None:
+            full_env.pop(name, None)
+        else:
+            full_env[name] = value
+    path = full_env.get("PYTHONPATH", "")
+    full_env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + path if path else "")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    full_env[TAG_ENV] = secrets.token_hex(8)
+    args = [sys.executable, "-m", "keras_dist.run", "-np", str(np), *kdrun_args, "--",
+            *command]
+    return RunningJob(args, full_env, os.fspath(cwd) if cwd is not None else str(REPO_ROOT),
+                      per_rank_output)
+
+
 def run_job(
     script_or_args: str | os.PathLike | Sequence[str],
     np: int,
@@ -199,63 +312,6 @@ def run_job(
         A ``JobResult``; check it with ``result.check()`` or assert on
         ``result.returncode`` with ``result.describe()`` as the message.
     """
-    if isinstance(script_or_args, (str, os.PathLike)):
-        command = [sys.executable, os.fspath(script_or_args)]
-    else:
-        command = [os.fspath(arg) for arg in script_or_args]
-    tag = secrets.token_hex(8)
-    full_env = dict(os.environ)
-    for name, value in (env or {}).items():
-        if value is None:
-            full_env.pop(name, None)
-        else:
-            full_env[name] = value
-    path = full_env.get("PYTHONPATH", "")
-    full_env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + path if path else "")
-    full_env["PYTHONUNBUFFERED"] = "1"
-    full_env[TAG_ENV] = tag
-    with tempfile.TemporaryDirectory(prefix="kdtest-") as scratch:
-        output_dir = os.path.join(scratch, "out")
-        args = [sys.executable, "-m", "keras_dist.run", "-np", str(np)]
-        if per_rank_output:
-            args += ["--output-dir", output_dir]
-        args += [*kdrun_args, "--", *command]
-        out_path, err_path = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
-        start = time.monotonic()
-        timed_out = False
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=full_env,
-                cwd=os.fspath(cwd) if cwd is not None else str(REPO_ROOT),
-                start_new_session=True,
-            )
-            try:
-                returncode = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    returncode = proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                    returncode = proc.wait()
-            finally:
-                duration = time.monotonic() - start
-                _kill_tagged(tag)
-        rank_stdout, rank_stderr = (
-            _read_outputs(output_dir) if os.path.isdir(output_dir) else ({}, {})
-        )
-        return JobResult(
-            args=args,
-            returncode=returncode,
-            launcher_stdout=Path(out_path).read_text(errors="replace"),
-            launcher_stderr=Path(err_path).read_text(errors="replace"),
-            rank_stdout=rank_stdout,
-            rank_stderr=rank_stderr,
-            timed_out=timed_out,
-            duration=duration,
-            tag=tag,
-        )
+    job = start_job(script_or_args, np, env, kdrun_args=kdrun_args, cwd=cwd,
+                    per_rank_output=per_rank_output)
+    return job.wait(timeout)
