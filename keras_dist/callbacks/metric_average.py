@@ -1,0 +1,48 @@
+"""MetricAverageCallback: epoch logs become their mean over ranks."""
+
+from __future__ import annotations
+
+import numbers
+
+import keras
+import numpy as np
+
+from keras_dist import _context
+from keras_dist import ops as kd_ops
+from keras_dist.keras_utils import disable_xla_for_training
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Replaces every numeric epoch log entry by its mean over all ranks.
+
+    Entries (``val_*`` included) are averaged in sorted key order in one
+    allreduce, in place, so the callbacks after this one (the progress bar,
+    `History`, `ModelCheckpoint`, ...) see the averages. Put it before any
+    callback that reads the logs.
+
+    Example:
+
+    ```python
+    model.fit(x, y, callbacks=[kd.callbacks.MetricAverageCallback()])
+    ```
+    """
+
+    def on_train_begin(self, logs=None):
+        disable_xla_for_training(self.model)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None or _context.get().size == 1:
+            return
+        keys = sorted(key for key, value in logs.items() if _is_number(value))
+        values = np.array([float(logs[key]) for key in keys], dtype=np.float64)
+        averaged = kd_ops.allreduce(values, op=kd_ops.Average, name="metric_average")
+        for key, value in zip(keys, averaged):
+            logs[key] = float(value)
+
+
+def _is_number(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (numbers.Real, np.number)):
+        return True
+    return isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "fiu"
