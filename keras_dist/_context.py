@@ -109,7 +109,7 @@ def _cpu_transport(config: Config, comm, local_comm, cross_comm) -> Transport:
     if want == "mpi":
         from keras_dist.backends.mpi import MpiTransport
 
-        return MpiTransport(comm)
+        return MpiTransport(comm, local_comm, config)
     if not _native_available():
         raise TransportError(
             "KERAS_DIST_CPU_OPERATIONS=shm needs the native extension keras_dist._native, "

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
+import pickle
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -223,6 +225,13 @@ def _check_dtypes(arrays: Sequence[np.ndarray], collective: str) -> None:
 # Numpy cores: flat buffers through the transport.
 
 
+@functools.lru_cache(maxsize=256)
+def _describe(members: tuple, group_length: int) -> str:
+    """Text naming a bucket's shapes and dtypes (cached: steps repeat the same ones)."""
+    shapes = " ".join(f"{np.dtype(d).name}{list(shape)}" for shape, d in members)
+    return f"[{len(members)} of {group_length} tensors: {shapes}]"
+
+
 def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
                       postscale: float, name: str) -> list[np.ndarray]:
     group = _context.get()
@@ -249,7 +258,8 @@ def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
             count = sum(a.size for a in members)
             flat = transport.scratch(count * dtype.itemsize).view(dtype)
             fusion.pack(members, flat, prescale)
-            transport.allreduce(flat, code)
+            transport.allreduce(flat, code, name=f"{name} {op.value} " + _describe(
+                tuple((a.shape, a.dtype.str) for a in members), len(arrays)))
             COUNTERS["allreduce"] += 1
             if op is ReduceOp.AVERAGE and not np.issubdtype(dtype, np.floating) \
                     and not _dtypes.is_half(dtype):
@@ -276,7 +286,8 @@ def _broadcast_arrays(arrays: list[np.ndarray], root: int, name: str) -> list[np
             flat = np.empty(count, dtype) if len(members) > 1 else members[0].reshape(-1)
             if len(members) > 1 and group.rank == root:
                 fusion.pack(members, flat)
-            group.transport.broadcast(flat.view(np.uint8), root)
+            group.transport.broadcast(flat.view(np.uint8), root, name=f"{name} " + _describe(
+                tuple((a.shape, a.dtype.str) for a in members), len(arrays)))
             COUNTERS["broadcast"] += 1
             if len(members) > 1:
                 for index, result in zip(bucket, fusion.unpack(flat, members)):
@@ -284,31 +295,42 @@ def _broadcast_arrays(arrays: list[np.ndarray], root: int, name: str) -> list[np
     return outputs
 
 
+_MAX_GATHER_NDIM = 8
+
+
 def _allgather_array(array: np.ndarray, name: str) -> np.ndarray:
     group = _context.get()
     array = np.ascontiguousarray(array)
-    if group.size == 1:
-        return array.copy() if array.ndim else array.reshape(1)
     if array.ndim == 0:
         array = array.reshape(1)
-    # Shapes first (control plane): ranks may differ in the first dimension only.
-    signatures = group.comm.allgather((array.shape, array.dtype.str))
-    first = signatures[0]
-    for shape, dtype in signatures:
-        if dtype != first[1] or tuple(shape[1:]) != tuple(first[0][1:]):
-            detail = ", ".join(
-                f"rank {r}: shape={tuple(s)} dtype={np.dtype(d).name}"
-                for r, (s, d) in enumerate(signatures)
-            )
-            raise ValueError(
-                "`allgather` needs the same dtype and the same shape past the first "
-                f"dimension on every rank. Received: {detail}"
-            )
-    counts = [int(np.prod(shape)) for shape, _ in signatures]
-    rows = sum(shape[0] for shape, _ in signatures)
-    out = np.empty((rows, *array.shape[1:]), array.dtype)
+    if group.size == 1:
+        return array.copy()
+    _check_dtypes([array], "allgather")
+    if array.ndim > _MAX_GATHER_NDIM:
+        raise ValueError(f"`allgather` takes at most {_MAX_GATHER_NDIM} dimensions. "
+                         f"Received: shape={array.shape}")
+    # Shapes first: ranks may differ in the first dimension only.
+    header = np.zeros(2 + _MAX_GATHER_NDIM, np.int64)
+    header[:2] = array.ndim, _dtypes.dtype_code(array.dtype)
+    header[2 : 2 + array.ndim] = array.shape
+    headers = np.empty(header.size * group.size, np.int64)
+    group.transport.allgatherv(header, headers, [header.size] * group.size,
+                               name=f"{name} shapes")
+    headers = headers.reshape(group.size, -1)
+    shapes = [tuple(int(d) for d in h[2 : 2 + h[0]]) for h in headers]
+    if any((h[0], h[1]) != (headers[0][0], headers[0][1]) or shape[1:] != shapes[0][1:]
+           for h, shape in zip(headers, shapes)):
+        names = {code: np.dtype(d).name for d, code in _dtypes._CODES.items()}
+        detail = ", ".join(f"rank {r}: shape={shape} dtype={names.get(int(h[1]), h[1])}"
+                           for r, (h, shape) in enumerate(zip(headers, shapes)))
+        raise ValueError(
+            "`allgather` needs the same dtype and the same shape past the first "
+            f"dimension on every rank. Received: {detail}"
+        )
+    counts = [int(np.prod(shape)) for shape in shapes]
+    out = np.empty((sum(shape[0] for shape in shapes), *array.shape[1:]), array.dtype)
     with timeline.activity(name, "allgather", out.nbytes):
-        group.transport.allgatherv(array.reshape(-1), out.reshape(-1), counts)
+        group.transport.allgatherv(array.reshape(-1), out.reshape(-1), counts, name=name)
     COUNTERS["allgather"] += 1
     return out
 
@@ -407,8 +429,16 @@ def broadcast_object(obj, root_rank: int = 0):
     root = _check_root(root_rank, group.size)
     if group.size == 1:
         return obj
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if group.rank == root else None
+    length = np.array([0 if payload is None else payload.size], np.int64)
+    group.transport.broadcast(length, root, name="broadcast_object length")
+    if payload is None:
+        payload = np.empty(int(length[0]), np.uint8)
+    else:
+        payload = payload.copy()
+    group.transport.broadcast(payload, root, name="broadcast_object")
     COUNTERS["broadcast_object"] += 1
-    return group.comm.bcast(obj, root=root)
+    return obj if group.rank == root else pickle.loads(payload.tobytes())
 
 
 def allgather_object(obj) -> list:
@@ -416,8 +446,13 @@ def allgather_object(obj) -> list:
     group = _context.get()
     if group.size == 1:
         return [obj]
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+    lengths = _allgather_array(np.array([payload.size], np.int64), "allgather_object lengths")
+    gathered = _allgather_array(payload, "allgather_object")
     COUNTERS["allgather_object"] += 1
-    return group.comm.allgather(obj)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return [pickle.loads(gathered[offsets[r] : offsets[r + 1]].tobytes())
+            for r in range(group.size)]
 
 
 def barrier() -> None:

@@ -23,16 +23,21 @@ class Transport(abc.ABC):
         self._scratch = np.empty(0, np.uint8)
 
     @abc.abstractmethod
-    def allreduce(self, buf: np.ndarray, op: int) -> None:
-        """Reduces ``buf`` across ranks in place with ``op`` (SUM/MIN/MAX/PRODUCT)."""
+    def allreduce(self, buf: np.ndarray, op: int, name: str | None = None) -> None:
+        """Reduces ``buf`` across ranks in place with ``op`` (SUM/MIN/MAX/PRODUCT).
+
+        ``name``, where given, describes the call (the tensor layer passes the
+        shapes and dtypes of a fused bucket); transports that check that all
+        ranks agree include it in the check.
+        """
 
     @abc.abstractmethod
-    def broadcast(self, buf: np.ndarray, root: int) -> None:
+    def broadcast(self, buf: np.ndarray, root: int, name: str | None = None) -> None:
         """Overwrites ``buf`` on every rank with its contents on ``root``."""
 
     @abc.abstractmethod
     def allgatherv(
-        self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]
+        self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], name: str | None = None
     ) -> None:
         """Concatenates every rank's ``send`` into ``recv`` in rank order.
 

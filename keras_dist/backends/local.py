@@ -14,13 +14,14 @@ class LocalTransport(Transport):
 
     name = "local"
 
-    def allreduce(self, buf: np.ndarray, op: int) -> None:
+    def allreduce(self, buf: np.ndarray, op: int, name: str | None = None) -> None:
         return None
 
-    def broadcast(self, buf: np.ndarray, root: int) -> None:
+    def broadcast(self, buf: np.ndarray, root: int, name: str | None = None) -> None:
         return None
 
-    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> None:
+    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int],
+                   name: str | None = None) -> None:
         if recv is not send:
             recv[: send.size] = send
 

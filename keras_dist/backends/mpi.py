@@ -1,13 +1,25 @@
-"""The MPI transport: mpi4py's buffer interface, no pickling of arrays."""
+"""The MPI transport: mpi4py's buffer interface, no pickling of arrays.
+
+Every collective is posted non-blocking and polled through a ``Waiter``, so a
+wait is bounded: a dead peer on this machine raises ``PeerFailureError``, a
+long wait warns (``StallWarning``) naming the ranks that have not joined, and
+``KERAS_DIST_TIMEOUT_SECONDS`` turns it into ``CollectiveTimeoutError``.
+Before its data moves, every collective checks that all ranks called the same
+thing (kind, op, dtype, count, root, and the tensor layer's description) and
+raises ``CollectiveMismatchError`` on every rank otherwise.
+"""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
 
 from keras_dist import _dtypes
+from keras_dist._liveness import Waiter, describe_peers
 from keras_dist.backends.base import Transport
+from keras_dist.errors import CollectiveMismatchError
 
 
 class MpiTransport(Transport):
@@ -15,42 +27,108 @@ class MpiTransport(Transport):
 
     float16 and bfloat16 have no MPI datatype: they travel as float32, so the
     sum is accumulated in float32 and rounded once, as the native kernels do.
+
+    Args:
+        comm: the communicator of the whole group.
+        local_comm: the ranks of ``comm`` on this machine (for liveness checks
+            and the arrival board that names missing ranks).
+        config: the process's ``Config``.
     """
 
     name = "mpi"
 
-    def __init__(self, comm) -> None:
+    def __init__(self, comm, local_comm, config) -> None:
         super().__init__()
         from mpi4py import MPI
 
         self._mpi = MPI
         self.comm = comm
+        self.rank = comm.Get_rank()
         self._ops = {
             _dtypes.SUM: MPI.SUM,
             _dtypes.MIN: MPI.MIN,
             _dtypes.MAX: MPI.MAX,
             _dtypes.PRODUCT: MPI.PROD,
         }
+        # Arrival board: one int64 per local rank in shared memory, holding the
+        # number of collectives that rank has entered.
+        self._board_window = MPI.Win.Allocate_shared(8, 8, comm=local_comm)
+        self._board = [
+            np.frombuffer(self._board_window.Shared_query(r)[0], np.int64, 1)
+            for r in range(local_comm.Get_size())
+        ]
+        self._board_ranks = local_comm.allgather(self.rank)
+        self._local_rank = local_comm.Get_rank()
+        self._board[self._local_rank][0] = 0
+        self._spans_machines = local_comm.Get_size() < comm.Get_size()
+        self._sequence = 0
+        local_comm.Barrier()
+        self._waiter = Waiter(
+            describe_peers(comm), self.rank, config.stall_check_seconds,
+            config.timeout_seconds, self.name, self._missing_ranks,
+        )
 
-    def allreduce(self, buf: np.ndarray, op: int) -> None:
+    def _missing_ranks(self) -> list[int] | None:
+        missing = [rank for rank, board in zip(self._board_ranks, self._board)
+                   if board[0] < self._sequence]
+        return None if self._spans_machines and not missing else missing
+
+    def _enter(self, kind: str, signature: str) -> None:
+        """Counts the collective on the board and checks every rank agrees on it."""
+        self._sequence += 1
+        self._board[self._local_rank][0] = self._sequence
+        digest = int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=7).digest(),
+                                "little")
+        check = np.array([digest, -digest], np.int64)
+        what = f"{kind} (check of call #{self._sequence})"
+        self._waiter.wait(self.comm.Iallreduce(self._mpi.IN_PLACE, check, self._mpi.MAX).Test,
+                          what)
+        if check[0] != digest or -check[1] != digest:
+            signatures = self.comm.allgather(signature)
+            detail = "; ".join(f"rank {r}: {s}" for r, s in enumerate(signatures))
+            raise CollectiveMismatchError(
+                f"Ranks called different collectives at call #{self._sequence} "
+                f"(transport mpi). {detail}"
+            )
+
+    def _run(self, request, kind: str, nbytes: int) -> None:
+        self._waiter.wait(request.Test, f"{kind} of {nbytes} bytes")
+
+    def allreduce(self, buf: np.ndarray, op: int, name: str | None = None) -> None:
+        self._enter("allreduce", f"allreduce op={_dtypes.OP_NAMES[op]} dtype={buf.dtype.name} "
+                    f"count={buf.size} {name or ''}")
         mpi_op = self._ops[op]
         if _dtypes.is_half(buf.dtype):
             wide = buf.astype(np.float32)
-            self.comm.Allreduce(self._mpi.IN_PLACE, wide, mpi_op)
+            self._run(self.comm.Iallreduce(self._mpi.IN_PLACE, wide, mpi_op), "allreduce",
+                      buf.nbytes)
             buf[...] = wide.astype(buf.dtype)
         else:
-            self.comm.Allreduce(self._mpi.IN_PLACE, buf, mpi_op)
+            self._run(self.comm.Iallreduce(self._mpi.IN_PLACE, buf, mpi_op), "allreduce",
+                      buf.nbytes)
 
-    def broadcast(self, buf: np.ndarray, root: int) -> None:
-        self.comm.Bcast(buf.view(np.uint8), root=root)
+    def broadcast(self, buf: np.ndarray, root: int, name: str | None = None) -> None:
+        self._enter("broadcast", f"broadcast root={root} bytes={buf.nbytes} {name or ''}")
+        self._run(self.comm.Ibcast(buf.view(np.uint8), root=root), "broadcast", buf.nbytes)
 
-    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> None:
+    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int],
+                   name: str | None = None) -> None:
+        self._enter("allgather", f"allgather dtype={send.dtype.name} counts={list(counts)} "
+                    f"{name or ''}")
         itemsize = send.dtype.itemsize
         byte_counts = [c * itemsize for c in counts]
-        displacements = np.concatenate([[0], np.cumsum(byte_counts)[:-1]]).tolist()
-        self.comm.Allgatherv(
+        displacements = np.concatenate([[0], np.cumsum(byte_counts)[:-1]]).astype(int).tolist()
+        request = self.comm.Iallgatherv(
             send.view(np.uint8), [recv.view(np.uint8), byte_counts, displacements, self._mpi.BYTE]
         )
+        self._run(request, "allgather", recv.nbytes)
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        self._enter("barrier", "barrier")
+        self._run(self.comm.Ibarrier(), "barrier", 0)
+
+    def close(self) -> None:
+        window, self._board_window = getattr(self, "_board_window", None), None
+        if window is not None:
+            self._board = []
+            window.Free()
