@@ -400,8 +400,9 @@ class _Case:
     """One size of one collective: inputs, the two implementations, the check."""
 
     def __init__(self, args: argparse.Namespace, comm, count: int) -> None:
-        import keras_dist as kd
         from mpi4py import MPI
+
+        import keras_dist as kd
 
         self.rank, self.nranks = comm.Get_rank(), comm.Get_size()
         self.args, self.comm, self.count = args, comm, count
@@ -477,8 +478,9 @@ def run(args: argparse.Namespace) -> int:
     """Runs the benchmark on every rank of the job; rank 0 prints. Returns the exit status."""
     if args.transport is not None:
         os.environ["KERAS_DIST_CPU_OPERATIONS"] = args.transport
-    import keras_dist as kd
     from mpi4py import MPI
+
+    import keras_dist as kd
 
     kd.init()
     comm = MPI.COMM_WORLD.Dup()
