@@ -1,0 +1,57 @@
+"""A tiny 2-rank run of ``python -m keras_dist.bench`` under kdrun, on each CPU transport.
+
+Checks that it ran, printed nccl-tests' columns on rank 0 only, named the
+transport that ran and reported no wrong elements. No timing is asserted.
+"""
+
+import importlib.util
+import sys
+
+import pytest
+
+from tests._mp import run_job
+
+TRANSPORTS = ["mpi"]
+if importlib.util.find_spec("keras_dist.backends.shm") is not None:
+    TRANSPORTS.append("shm")
+
+COLUMNS = ["size", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong", "%mem",
+           "time(us)", "algbw", "busbw", "#wrong", "%mem", "time", "busbw"]
+
+
+def _rows(text):
+    return [line.split() for line in text.splitlines() if line and not line.startswith("#")]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("collective, dtype, op", [
+    ("allreduce", "float32", "sum"),
+    ("allreduce", "bfloat16", "max"),
+    ("broadcast", "int32", "sum"),
+    ("allgather", "float16", "sum"),
+])
+def test_bench_runs_checked_side_by_side(transport, collective, dtype, op):
+    command = [sys.executable, "-m", "keras_dist.bench", collective, "-b", "4", "-e", "300K",
+               "-f", "32", "--dtype", dtype, "--transport", transport, "--vs", "mpi",
+               "-n", "3", "-w", "1", "--reps", "2", "--mem-bytes", "4M"]
+    if collective == "allreduce":
+        command += ["--op", op]
+    result = run_job(command, np=2, timeout=150, env={"OMP_NUM_THREADS": "1"})
+    result.check()
+    out = result.rank_stdout.get(0, "")
+    assert f"transport {transport}" in out, result.describe()
+    assert "# memory copy:" in out, result.describe()
+    header = [line for line in out.splitlines() if "#wrong" in line]
+    assert len(header) == 1 and header[0].lstrip("#").split() == COLUMNS, result.describe()
+    rows = _rows(out)
+    # 4, 128, 4K, 128K bytes (fewer when the dtype makes two steps the same count)
+    assert 3 <= len(rows) <= 4, result.describe()
+    for row in rows:
+        assert len(row) == len(COLUMNS), result.describe()
+        assert row[2] == dtype and row[3] == (op if collective == "allreduce" else "none")
+        assert row[7] == "0" and row[12] == "0", result.describe()
+        assert float(row[4]) > 0 and float(row[9]) > 0, result.describe()
+    assert "# Out of bounds values : 0 OK" in out, result.describe()
+    assert out.count("# Avg bus bandwidth") == 2, result.describe()
+    assert _rows(result.rank_stdout.get(1, "")) == [], "only rank 0 prints"
