@@ -3,7 +3,10 @@
 // (callers pass arr.view(np.uint8)); dtype and op are the codes of
 // keras_dist/_dtypes.py. Every wait happens with the GIL released.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/function.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
@@ -12,6 +15,7 @@
 #include <vector>
 
 #include "reduce.h"
+#include "shm_engine.h"
 
 namespace nb = nanobind;
 
@@ -136,6 +140,75 @@ void py_reduce_inplace(nb::handle dst_obj, nb::handle src_obj, int dtype_code, i
   kd::reduce_inplace(dst.data(), src.data(), count, dtype, op);
 }
 
+std::unique_ptr<kd::ShmEngine> make_engine(const std::string& name, bool create, int local_rank,
+                                           int local_size, size_t slot_bytes,
+                                           std::vector<int64_t> peer_pids, double stall_seconds,
+                                           double timeout_seconds,
+                                           std::vector<int64_t> global_ranks,
+                                           nb::object on_stall) {
+  kd::EngineOptions options;
+  options.name = name;
+  options.create = create;
+  options.local_rank = local_rank;
+  options.local_size = local_size;
+  options.slot_bytes = slot_bytes;
+  options.pids = std::move(peer_pids);
+  options.ranks = std::move(global_ranks);
+  options.stall_seconds = stall_seconds;
+  options.timeout_seconds = timeout_seconds;
+  kd::StallCallback callback;
+  if (!on_stall.is_none()) {
+    // Called from a wait with the GIL released; a Python exception propagates.
+    auto shared = std::make_shared<nb::object>(on_stall);
+    callback = [shared](const std::string& message) {
+      nb::gil_scoped_acquire acquire;
+      (*shared)(message);
+    };
+  }
+  return std::make_unique<kd::ShmEngine>(options, std::move(callback));
+}
+
+void engine_allreduce(kd::ShmEngine& engine, nb::handle buf_obj, int dtype_code, int op_code,
+                      uint64_t name_hash) {
+  const kd::DType dtype = check_dtype(dtype_code);
+  const kd::Op op = check_op(op_code);
+  ByteBuffer buf(buf_obj, true, "buf");
+  element_count(buf.size(), dtype_code, "buf");
+  nb::gil_scoped_release release;
+  engine.allreduce(buf.data(), buf.size(), dtype, op, name_hash);
+}
+
+void engine_broadcast(kd::ShmEngine& engine, nb::handle buf_obj, int root, uint64_t name_hash) {
+  ByteBuffer buf(buf_obj, true, "buf");
+  nb::gil_scoped_release release;
+  engine.broadcast(buf.data(), buf.size(), root, name_hash);
+}
+
+void engine_allgatherv(kd::ShmEngine& engine, nb::handle send_obj, nb::handle recv_obj,
+                       std::vector<uint64_t> counts_bytes, uint64_t name_hash) {
+  ByteBuffer send(send_obj, false, "send");
+  ByteBuffer recv(recv_obj, true, "recv");
+  uint64_t total = 0;
+  for (uint64_t c : counts_bytes) total += c;
+  if (total != recv.size()) {
+    throw nb::value_error(("allgatherv: `recv` must have sum(counts_bytes) bytes. Received: " +
+                           std::to_string(recv.size()) + " bytes, sum(counts_bytes)=" +
+                           std::to_string(total))
+                              .c_str());
+  }
+  nb::gil_scoped_release release;
+  engine.allgatherv(send.data(), send.size(), recv.data(), counts_bytes, name_hash);
+}
+
+nb::object engine_scratch(nb::handle self, size_t nbytes) {
+  kd::ShmEngine& engine = nb::cast<kd::ShmEngine&>(self);
+  uint8_t* ptr = engine.scratch(nbytes);
+  if (!ptr) return nb::none();
+  const size_t shape[1] = {nbytes};
+  // The array keeps the engine (and so the mapping) alive.
+  return nb::cast(nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(ptr, 1, shape, self));
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -152,4 +225,35 @@ NB_MODULE(_native, m) {
   m.def("simd_level", &kd::simd_level, "Kernel family in use: 'avx2' or 'baseline'.");
   m.def("_force_baseline", &kd::force_baseline, nb::arg("on"),
         "Tests only: use the baseline kernels even on an AVX2 CPU.");
+
+  nb::exception<kd::MismatchError>(m, "CollectiveMismatchError");
+  nb::exception<kd::PeerFailureError>(m, "PeerFailureError");
+  nb::exception<kd::TimeoutError>(m, "CollectiveTimeoutError");
+  nb::exception<kd::TransportError>(m, "TransportError");
+
+  nb::class_<kd::ShmEngine>(m, "ShmEngine",
+                            "Collectives among the ranks of one machine through one POSIX "
+                            "shared-memory segment. Local rank 0 creates it (create=True) "
+                            "before the others open it; then every rank calls attach().")
+      .def(nb::new_(&make_engine), nb::arg("name"), nb::arg("create"), nb::arg("local_rank"),
+           nb::arg("local_size"), nb::arg("slot_bytes"), nb::arg("peer_pids"),
+           nb::arg("stall_seconds") = 60.0, nb::arg("timeout_seconds") = 0.0,
+           nb::arg("global_ranks") = std::vector<int64_t>(), nb::arg("on_stall") = nb::none())
+      .def("attach", &kd::ShmEngine::attach, nb::call_guard<nb::gil_scoped_release>(),
+           "Collective: waits for every local rank, then local rank 0 unlinks the name.")
+      .def("unlink", &kd::ShmEngine::unlink, "Removes the segment's name (local rank 0).")
+      .def("allreduce", &engine_allreduce, nb::arg("buf"), nb::arg("dtype"), nb::arg("op"),
+           nb::arg("name_hash") = 0)
+      .def("broadcast", &engine_broadcast, nb::arg("buf"), nb::arg("root"),
+           nb::arg("name_hash") = 0)
+      .def("allgatherv", &engine_allgatherv, nb::arg("send"), nb::arg("recv"),
+           nb::arg("counts_bytes"), nb::arg("name_hash") = 0)
+      .def("barrier", &kd::ShmEngine::barrier, nb::call_guard<nb::gil_scoped_release>())
+      .def("scratch", &engine_scratch, nb::arg("nbytes"),
+           "A view of this rank's next shared buffer (None if nbytes is too large); "
+           "allreduce of it skips the copy in. Valid until the next collective.")
+      .def_prop_ro("buffer_bytes", &kd::ShmEngine::buffer_bytes)
+      .def_prop_ro("local_rank", &kd::ShmEngine::local_rank)
+      .def_prop_ro("local_size", &kd::ShmEngine::local_size)
+      .def_prop_ro("name", &kd::ShmEngine::name);
 }

@@ -1,0 +1,608 @@
+// Shared-memory collectives. See shm_engine.h for the shape; the protocol:
+//
+// * Every rank owns a step counter in its own cache line. A rank publishes a
+//   step (release store) after writing what the step shares, and waits until
+//   every peer has published the same step (acquire loads) before reading.
+// * Data written into a buffer at step s is read by peers during steps s and
+//   s+1 only; buffers alternate, and a buffer is rewritten only after every
+//   peer has published s+2, so no step needs a trailing barrier.
+// * Each collective begins by writing a header (kind, op, dtype, bytes, name
+//   hash, root) into one of two header lines (alternating per collective); after
+//   the first wait every rank compares all headers, so a mismatch raises on
+//   every rank before any data is exchanged, and leaves the engine usable.
+// * Waits spin briefly, then yield, then sleep with backoff; every 100 ms they
+//   check that the awaited peers are alive and that no rank has aborted, warn
+//   after stall_seconds and raise after timeout_seconds.
+#include "shm_engine.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <sstream>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KD_PAUSE() _mm_pause()
+#else
+#define KD_PAUSE() ((void)0)
+#endif
+
+namespace kd {
+
+namespace {
+
+constexpr uint64_t kMagic = 0x6b645f73686d3031ull;  // "kd_shm01"
+constexpr size_t kLine = 64;
+constexpr size_t kPage = 4096;
+// Messages up to this size go in one round (every rank reduces everything).
+constexpr size_t kSmallBytes = 32u << 10;
+// Chunk of the pipelined path: small enough that a chunk of every rank stays in cache.
+constexpr size_t kChunkBytes = 256u << 10;
+
+enum Kind : uint32_t { kAttach = 1, kBarrier, kAllreduce, kBroadcast, kAllgatherv };
+constexpr uint32_t kNone = 0xffffffffu;
+
+const char* kind_name(uint32_t kind) {
+  switch (kind) {
+    case kAttach: return "attach";
+    case kBarrier: return "barrier";
+    case kAllreduce: return "allreduce";
+    case kBroadcast: return "broadcast";
+    case kAllgatherv: return "allgather";
+    default: return "unknown collective";
+  }
+}
+
+double now_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+bool process_alive(int64_t pid) {
+  if (pid <= 0) return true;  // unknown: cannot tell
+  if (kill(pid_t(pid), 0) != 0 && errno == ESRCH) return false;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (!f) return errno != ENOENT;
+  char buf[512];
+  const size_t got = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[got] = 0;
+  const char* paren = std::strrchr(buf, ')');  // "pid (comm) S ..."
+  if (paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X')) return false;
+  return true;
+}
+
+uint64_t hash_counts(const std::vector<uint64_t>& counts) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the 8-byte counts
+  for (uint64_t c : counts) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (c >> (8 * i)) & 0xffu;
+      h *= 1099511628211ull;
+    }
+  }
+  return h;
+}
+
+}  // namespace
+
+struct ShmEngine::Header {
+  uint64_t coll;
+  uint32_t kind;
+  uint32_t op;
+  uint32_t dtype;
+  int32_t root;
+  uint64_t nbytes;
+  uint64_t name_hash;
+  uint64_t pad[3];
+};
+
+struct ShmEngine::RankCtl {
+  alignas(kLine) std::atomic<uint64_t> step;
+  alignas(kLine) Header hdr[2];
+};
+
+struct SegmentLayout {
+  alignas(kLine) uint64_t magic;
+  uint64_t local_size;
+  uint64_t slot_bytes;
+  uint64_t half_bytes;
+  alignas(kLine) std::atomic<int32_t> abort_rank;  // -1: none
+  char abort_reason[256];
+};
+
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
+static_assert(std::atomic<int32_t>::is_always_lock_free, "need lock-free 32-bit atomics");
+
+ShmEngine::ShmEngine(const EngineOptions& options, StallCallback on_stall)
+    : opt_(options), on_stall_(std::move(on_stall)), me_(options.local_rank),
+      n_(options.local_size) {
+  if (n_ < 1 || me_ < 0 || me_ >= n_) {
+    throw std::invalid_argument("`local_rank` must be in [0, local_size). Received: local_rank=" +
+                                std::to_string(me_) + " (local_size=" + std::to_string(n_) + ")");
+  }
+  if (!opt_.pids.empty() && opt_.pids.size() != size_t(n_)) {
+    throw std::invalid_argument("`peer_pids` must list local_size pids. Received: " +
+                                std::to_string(opt_.pids.size()) + " for local_size=" +
+                                std::to_string(n_));
+  }
+  if (!opt_.ranks.empty() && opt_.ranks.size() != size_t(n_)) {
+    throw std::invalid_argument("`global_ranks` must list local_size ranks. Received: " +
+                                std::to_string(opt_.ranks.size()) + " for local_size=" +
+                                std::to_string(n_));
+  }
+  if (opt_.slot_bytes < 2 * kPage) {
+    throw std::invalid_argument("`slot_bytes` must be at least 8192. Received: slot_bytes=" +
+                                std::to_string(opt_.slot_bytes));
+  }
+  if (opt_.name.size() < 2 || opt_.name[0] != '/' || opt_.name.find('/', 1) != std::string::npos) {
+    throw std::invalid_argument("`name` must look like '/kd-...'. Received: name='" + opt_.name +
+                                "'");
+  }
+  half_bytes_ = opt_.slot_bytes / 2 / kPage * kPage;
+  data_offset_ = round_up(sizeof(SegmentLayout) + size_t(n_) * sizeof(RankCtl), kPage);
+  map_bytes_ = data_offset_ + size_t(n_) * 2 * half_bytes_;
+  srcs_.resize(size_t(n_));
+
+  const int flags = opt_.create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR;
+  fd_ = shm_open(opt_.name.c_str(), flags, 0600);
+  if (fd_ < 0) {
+    throw TransportError(std::string("shm: cannot ") + (opt_.create ? "create" : "open") +
+                         " shared memory segment '" + opt_.name + "' (local rank " +
+                         std::to_string(me_) + "): " + std::strerror(errno));
+  }
+  if (opt_.create && ftruncate(fd_, off_t(map_bytes_)) != 0) {
+    const int err = errno;
+    shm_unlink(opt_.name.c_str());
+    close(fd_);
+    throw TransportError("shm: cannot size segment '" + opt_.name + "' to " +
+                         std::to_string(map_bytes_) + " bytes: " + std::strerror(err));
+  }
+  struct stat st;
+  if (fstat(fd_, &st) != 0 || size_t(st.st_size) != map_bytes_) {
+    close(fd_);
+    throw TransportError("shm: segment '" + opt_.name + "' has " + std::to_string(st.st_size) +
+                         " bytes, expected " + std::to_string(map_bytes_) +
+                         " (do all ranks use the same slot_bytes and local_size?)");
+  }
+  void* p = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    if (opt_.create) shm_unlink(opt_.name.c_str());
+    close(fd_);
+    throw TransportError("shm: cannot map segment '" + opt_.name + "': " + std::strerror(err));
+  }
+  base_ = static_cast<uint8_t*>(p);
+  auto* seg = reinterpret_cast<SegmentLayout*>(base_);
+  if (opt_.create) {
+    // ftruncate zero-fills, so step counters start at 0.
+    seg->local_size = uint64_t(n_);
+    seg->slot_bytes = opt_.slot_bytes;
+    seg->half_bytes = half_bytes_;
+    seg->abort_rank.store(-1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);
+    seg->magic = kMagic;
+  } else {
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (seg->magic != kMagic || seg->local_size != uint64_t(n_) ||
+        seg->half_bytes != half_bytes_) {
+      munmap(base_, map_bytes_);
+      base_ = nullptr;
+      close(fd_);
+      throw TransportError("shm: segment '" + opt_.name +
+                           "' was not set up for this job (magic, local_size or slot_bytes "
+                           "differ)");
+    }
+  }
+}
+
+ShmEngine::~ShmEngine() {
+  if (opt_.create && !unlinked_) shm_unlink(opt_.name.c_str());
+  if (base_) munmap(base_, map_bytes_);
+  if (fd_ >= 0) close(fd_);
+}
+
+ShmEngine::RankCtl* ShmEngine::ctl(int rank) const {
+  return reinterpret_cast<RankCtl*>(base_ + sizeof(SegmentLayout)) + rank;
+}
+
+uint8_t* ShmEngine::data(int rank, int which) const {
+  return base_ + data_offset_ + (size_t(rank) * 2 + size_t(which)) * half_bytes_;
+}
+
+bool ShmEngine::overlaps_slot(const void* p, size_t nbytes) const {
+  const uint8_t* b = static_cast<const uint8_t*>(p);
+  const uint8_t* lo = data(me_, 0);
+  const uint8_t* hi = lo + 2 * half_bytes_;
+  return nbytes > 0 && b < hi && b + nbytes > lo;
+}
+
+uint8_t* ShmEngine::scratch(size_t nbytes) {
+  ensure_usable();
+  return nbytes <= half_bytes_ ? data(me_, next_buf_) : nullptr;
+}
+
+std::string ShmEngine::rank_label(int local) const {
+  if (opt_.ranks.empty()) return "local rank " + std::to_string(local);
+  const int64_t global = opt_.ranks[size_t(local)];
+  if (global == local) return "rank " + std::to_string(global);
+  return "rank " + std::to_string(global) + " (local rank " + std::to_string(local) + ")";
+}
+
+std::string ShmEngine::current_collective() const {
+  const Header& h = ctl(me_)->hdr[(coll_ - 1) & 1];
+  std::ostringstream out;
+  out << "shm " << kind_name(h.kind) << " #" << h.coll;
+  if (h.kind == kAllreduce) out << " (" << dtype_name(int(h.dtype)) << ", " << op_name(int(h.op)) << ", " << h.nbytes << " bytes)";
+  if (h.kind == kBroadcast) out << " (root " << h.root << ", " << h.nbytes << " bytes)";
+  if (h.kind == kAllgatherv) out << " (" << h.nbytes << " bytes)";
+  out << " on " << rank_label(me_);
+  return out.str();
+}
+
+void ShmEngine::ensure_usable() {
+  if (!base_) throw TransportError("shm: the engine is closed");
+  if (broken_) {
+    throw TransportError("shm: an earlier collective on " + rank_label(me_) +
+                         " failed; the shared-memory transport cannot be used any more");
+  }
+}
+
+void ShmEngine::fail(const char* reason) {
+  broken_ = true;
+  auto* seg = reinterpret_cast<SegmentLayout*>(base_);
+  int32_t expected = -1;
+  if (seg->abort_rank.compare_exchange_strong(expected, -2, std::memory_order_acq_rel)) {
+    std::snprintf(seg->abort_reason, sizeof(seg->abort_reason), "%s", reason);
+    seg->abort_rank.store(me_, std::memory_order_release);
+  }
+}
+
+void ShmEngine::begin(uint32_t kind, uint32_t op, uint32_t dtype, int32_t root, uint64_t nbytes,
+                      uint64_t name_hash) {
+  ensure_usable();
+  auto* seg = reinterpret_cast<SegmentLayout*>(base_);
+  const int32_t aborted = seg->abort_rank.load(std::memory_order_acquire);
+  if (aborted >= 0) {
+    broken_ = true;
+    throw PeerFailureError("shm " + std::string(kind_name(kind)) + " on " + rank_label(me_) +
+                           ": " + rank_label(aborted) + " aborted an earlier collective: " +
+                           seg->abort_reason);
+  }
+  Header& h = ctl(me_)->hdr[coll_ & 1];
+  h.coll = coll_;
+  h.kind = kind;
+  h.op = op;
+  h.dtype = dtype;
+  h.root = root;
+  h.nbytes = nbytes;
+  h.name_hash = name_hash;
+  ++coll_;
+}
+
+void ShmEngine::publish() { ctl(me_)->step.store(++step_, std::memory_order_release); }
+
+std::string ShmEngine::describe_missing(const std::vector<int>& missing) const {
+  std::string out;
+  for (size_t i = 0; i < missing.size(); ++i) {
+    if (i) out += ", ";
+    out += rank_label(missing[i]);
+    if (!opt_.pids.empty()) out += " (pid " + std::to_string(opt_.pids[size_t(missing[i])]) + ")";
+  }
+  return out;
+}
+
+void ShmEngine::wait_all() {
+  const uint64_t target = step_;
+  auto arrived = [&](int p) { return ctl(p)->step.load(std::memory_order_acquire) >= target; };
+  auto all_arrived = [&] {
+    for (int p = 0; p < n_; ++p)
+      if (p != me_ && !arrived(p)) return false;
+    return true;
+  };
+  // Spin briefly: a peer on another core usually arrives within microseconds.
+  for (int i = 0; i < 4000; ++i) {
+    if (all_arrived()) return;
+    KD_PAUSE();
+  }
+  const double start = now_seconds();
+  double next_check = start + 0.1;
+  double next_stall = opt_.stall_seconds > 0 ? start + opt_.stall_seconds : 1e300;
+  long sleep_ns = 0;
+  auto* seg = reinterpret_cast<SegmentLayout*>(base_);
+  try {
+    for (uint64_t iter = 0;; ++iter) {
+      if (all_arrived()) return;
+      if (iter < 200) {
+        sched_yield();
+      } else {
+        sleep_ns = std::min<long>(sleep_ns ? sleep_ns * 2 : 2000, 200000);
+        timespec ts{0, sleep_ns};
+        nanosleep(&ts, nullptr);
+      }
+      const int32_t aborted = seg->abort_rank.load(std::memory_order_acquire);
+      if (aborted >= 0 && aborted != me_) {
+        throw PeerFailureError(current_collective() + ": " + rank_label(aborted) +
+                               " aborted: " + seg->abort_reason);
+      }
+      const double t = now_seconds();
+      if (t < next_check) continue;
+      next_check = t + 0.1;
+      std::vector<int> missing;
+      for (int p = 0; p < n_; ++p)
+        if (p != me_ && !arrived(p)) missing.push_back(p);
+      if (missing.empty()) return;
+      for (int p : missing) {
+        if (!opt_.pids.empty() && !process_alive(opt_.pids[size_t(p)])) {
+          throw PeerFailureError(current_collective() + ": " + rank_label(p) + " (pid " +
+                                 std::to_string(opt_.pids[size_t(p)]) +
+                                 ") died while this rank waited for it");
+        }
+      }
+      if (opt_.timeout_seconds > 0 && t - start >= opt_.timeout_seconds) {
+        std::ostringstream msg;
+        msg << current_collective() << ": timed out after " << opt_.timeout_seconds
+            << " s waiting for " << describe_missing(missing);
+        throw TimeoutError(msg.str());
+      }
+      if (t >= next_stall && on_stall_) {
+        next_stall = t + opt_.stall_seconds;
+        std::ostringstream msg;
+        msg << current_collective() << " has waited " << int(t - start) << " s for "
+            << describe_missing(missing) << ", which have not joined it";
+        on_stall_(msg.str());
+      }
+    }
+  } catch (const std::exception& e) {
+    fail(e.what());
+    throw;
+  } catch (...) {
+    fail("the collective was interrupted");
+    throw;
+  }
+}
+
+void ShmEngine::check_headers() {
+  const int which = int((coll_ - 1) & 1);
+  const Header& mine = ctl(me_)->hdr[which];
+  bool differ[6] = {false, false, false, false, false, false};  // kind op dtype bytes name root
+  for (int p = 0; p < n_; ++p) {
+    const Header& h = ctl(p)->hdr[which];
+    if (h.coll != mine.coll) {
+      fail("collective sequence numbers diverged");
+      throw TransportError(current_collective() + ": " + rank_label(p) + " is at collective #" +
+                           std::to_string(h.coll) + "; the shared-memory state is corrupt");
+    }
+    differ[0] |= h.kind != mine.kind;
+    differ[1] |= h.op != mine.op;
+    differ[2] |= h.dtype != mine.dtype;
+    differ[3] |= h.nbytes != mine.nbytes;
+    differ[4] |= h.name_hash != mine.name_hash;
+    differ[5] |= h.root != mine.root;
+  }
+  if (!(differ[0] || differ[1] || differ[2] || differ[3] || differ[4] || differ[5])) return;
+  std::ostringstream msg;
+  msg << (differ[0] ? "collective" : kind_name(mine.kind)) << " mismatch: ";
+  for (int p = 0; p < n_; ++p) {
+    const Header& h = ctl(p)->hdr[which];
+    if (p) msg << ", ";
+    msg << rank_label(p) << (differ[0] ? " called " : " has ");
+    std::vector<std::string> parts;
+    if (differ[0]) parts.push_back(kind_name(h.kind));
+    if (differ[1] && h.op != kNone) parts.push_back(std::string("op ") + op_name(int(h.op)));
+    if (h.dtype != kNone) {
+      parts.push_back(std::string("dtype ") + dtype_name(int(h.dtype)));
+      parts.push_back("count " + std::to_string(h.nbytes / dtype_size(int(h.dtype))));
+    } else if (differ[3] || h.kind == kBroadcast || h.kind == kAllgatherv) {
+      parts.push_back(std::to_string(h.nbytes) + " bytes");
+    }
+    if (differ[5] && h.root >= 0) parts.push_back("root " + std::to_string(h.root));
+    if (differ[4]) {
+      char buf[32];
+      std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(h.name_hash));
+      parts.push_back(h.kind == kAllgatherv ? std::string("counts hash ") + buf
+                                            : std::string("name hash ") + buf);
+    }
+    for (size_t i = 0; i < parts.size(); ++i) msg << (i ? " " : "") << parts[i];
+  }
+  // Every rank saw the same headers and raises the same error; the steps stay
+  // in lock step, so the engine remains usable.
+  throw MismatchError(msg.str());
+}
+
+void ShmEngine::attach() {
+  begin(kAttach, kNone, kNone, -1, 0, 0);
+  publish();
+  wait_all();
+  check_headers();
+  if (opt_.create) unlink();
+}
+
+void ShmEngine::unlink() {
+  if (!opt_.create || unlinked_) return;
+  unlinked_ = true;
+  if (shm_unlink(opt_.name.c_str()) != 0 && errno != ENOENT) {
+    throw TransportError("shm: cannot unlink '" + opt_.name + "': " + std::strerror(errno));
+  }
+}
+
+void ShmEngine::barrier() {
+  begin(kBarrier, kNone, kNone, -1, 0, 0);
+  if (n_ == 1) return;
+  publish();
+  wait_all();
+  check_headers();
+}
+
+void ShmEngine::allreduce(void* buf, size_t nbytes, DType dtype, Op op, uint64_t name_hash) {
+  begin(kAllreduce, uint32_t(op), uint32_t(dtype), -1, nbytes, name_hash);
+  if (n_ == 1) return;
+  uint8_t* bytes = static_cast<uint8_t*>(buf);
+  const bool in_slot = nbytes > 0 && bytes == data(me_, next_buf_) && nbytes <= half_bytes_;
+  if (!in_slot && overlaps_slot(buf, nbytes)) {
+    throw std::invalid_argument(
+        "allreduce: a buffer inside this rank's shared-memory slot must be the one scratch() "
+        "returned, from offset 0, with no collective called in between");
+  }
+  if (nbytes <= kSmallBytes && !in_slot) {
+    reduce_small(buf, nbytes, dtype, op);
+  } else {
+    reduce_chunked(bytes, nbytes, dtype, op, in_slot);
+  }
+}
+
+void ShmEngine::reduce_small(void* buf, size_t nbytes, DType dtype, Op op) {
+  uint8_t* mine = data(me_, next_buf_);
+  if (nbytes) std::memcpy(mine, buf, nbytes);
+  publish();
+  wait_all();
+  check_headers();
+  for (int p = 0; p < n_; ++p) srcs_[size_t(p)] = data(p, next_buf_);
+  reduce_many(buf, srcs_.data(), size_t(n_), nbytes / dtype_size(int(dtype)), dtype, op);
+  next_buf_ ^= 1;
+}
+
+void ShmEngine::reduce_chunked(uint8_t* buf, size_t nbytes, DType dtype, Op op, bool in_slot) {
+  const size_t esize = dtype_size(int(dtype));
+  // Share boundaries fall on cache lines; a chunk is whole elements of every share.
+  const size_t align_elems = kLine / esize;
+  const size_t chunk_bytes =
+      in_slot ? nbytes : std::min(half_bytes_, round_up(kChunkBytes * size_t(n_), kLine));
+  bool first = true;
+  for (size_t off = 0; off < nbytes; off += chunk_bytes) {
+    const size_t cb = std::min(chunk_bytes, nbytes - off);
+    const size_t count = cb / esize;
+    const size_t per = round_up((count + size_t(n_) - 1) / size_t(n_), align_elems);
+    auto share_lo = [&](int p) { return std::min(size_t(p) * per, count); };
+    auto share_hi = [&](int p) { return std::min(size_t(p + 1) * per, count); };
+    uint8_t* mine = data(me_, next_buf_);
+    if (!in_slot) std::memcpy(mine, buf + off, cb);
+    publish();
+    wait_all();
+    if (first) {
+      check_headers();
+      first = false;
+    }
+    // Reduce-scatter: this rank reduces its share of every rank's chunk.
+    const size_t lo = share_lo(me_), hi = share_hi(me_);
+    if (hi > lo) {
+      for (int p = 0; p < n_; ++p) srcs_[size_t(p)] = data(p, next_buf_) + lo * esize;
+      reduce_many(mine + lo * esize, srcs_.data(), size_t(n_), hi - lo, dtype, op);
+    }
+    publish();
+    wait_all();
+    // Allgather: copy every reduced share out.
+    for (int p = 0; p < n_; ++p) {
+      if (p == me_ && in_slot) continue;
+      const size_t plo = share_lo(p), phi = share_hi(p);
+      if (phi > plo) {
+        std::memcpy(buf + off + plo * esize, data(p, next_buf_) + plo * esize, (phi - plo) * esize);
+      }
+    }
+    next_buf_ ^= 1;
+  }
+}
+
+void ShmEngine::broadcast(void* buf, size_t nbytes, int root, uint64_t name_hash) {
+  if (root < 0 || root >= n_) {
+    throw std::invalid_argument("broadcast: `root` must be in [0, local_size). Received: root=" +
+                                std::to_string(root) + " (local_size=" + std::to_string(n_) + ")");
+  }
+  begin(kBroadcast, kNone, kNone, root, nbytes, name_hash);
+  if (n_ == 1) return;
+  const uint8_t* src = static_cast<const uint8_t*>(buf);
+  std::unique_ptr<uint8_t[]> copy;
+  if (me_ == root && overlaps_slot(buf, nbytes)) {
+    copy.reset(new uint8_t[nbytes]);
+    std::memcpy(copy.get(), buf, nbytes);
+    src = copy.get();
+  }
+  const size_t chunk_bytes = std::min(half_bytes_, size_t(1) << 20);
+  size_t off = 0;
+  bool first = true;
+  do {
+    const size_t cb = std::min(chunk_bytes, nbytes - off);
+    if (me_ == root && cb) std::memcpy(data(root, next_buf_), src + off, cb);
+    publish();
+    wait_all();
+    if (first) {
+      check_headers();
+      first = false;
+    }
+    if (me_ != root && cb) std::memcpy(static_cast<uint8_t*>(buf) + off, data(root, next_buf_), cb);
+    next_buf_ ^= 1;
+    off += cb;
+  } while (off < nbytes);
+}
+
+void ShmEngine::allgatherv(const void* send, size_t send_bytes, void* recv,
+                           const std::vector<uint64_t>& counts_bytes, uint64_t name_hash) {
+  if (counts_bytes.size() != size_t(n_)) {
+    throw std::invalid_argument("allgatherv: `counts` must have local_size entries. Received: " +
+                                std::to_string(counts_bytes.size()) + " (local_size=" +
+                                std::to_string(n_) + ")");
+  }
+  if (counts_bytes[size_t(me_)] != send_bytes) {
+    throw std::invalid_argument("allgatherv: `send` must have counts[local_rank] bytes. Received: " +
+                                std::to_string(send_bytes) + " bytes, counts[" +
+                                std::to_string(me_) + "]=" +
+                                std::to_string(counts_bytes[size_t(me_)]));
+  }
+  std::vector<size_t> displ(size_t(n_) + 1, 0);
+  for (int p = 0; p < n_; ++p) displ[size_t(p) + 1] = displ[size_t(p)] + counts_bytes[size_t(p)];
+  const size_t total = displ[size_t(n_)];
+  if (overlaps_slot(recv, total)) {
+    throw std::invalid_argument("allgatherv: `recv` must not be a scratch() buffer");
+  }
+  begin(kAllgatherv, kNone, kNone, -1, total, name_hash ^ hash_counts(counts_bytes));
+  uint8_t* out = static_cast<uint8_t*>(recv);
+  if (n_ == 1) {
+    if (send_bytes) std::memmove(out, send, send_bytes);
+    return;
+  }
+  const uint8_t* src = static_cast<const uint8_t*>(send);
+  std::unique_ptr<uint8_t[]> copy;
+  if (overlaps_slot(send, send_bytes)) {
+    copy.reset(new uint8_t[send_bytes]);
+    std::memcpy(copy.get(), send, send_bytes);
+    src = copy.get();
+  }
+  const size_t largest = *std::max_element(counts_bytes.begin(), counts_bytes.end());
+  const size_t chunk_bytes = std::min(half_bytes_, size_t(1) << 20);
+  size_t off = 0;
+  bool first = true;
+  do {
+    const size_t mine = send_bytes > off ? std::min(chunk_bytes, send_bytes - off) : 0;
+    if (mine) std::memcpy(data(me_, next_buf_), src + off, mine);
+    publish();
+    wait_all();
+    if (first) {
+      check_headers();
+      first = false;
+    }
+    for (int p = 0; p < n_; ++p) {
+      const size_t count = counts_bytes[size_t(p)];
+      const size_t cb = count > off ? std::min(chunk_bytes, count - off) : 0;
+      if (cb) std::memcpy(out + displ[size_t(p)] + off, data(p, next_buf_), cb);
+    }
+    next_buf_ ^= 1;
+    off += chunk_bytes;
+  } while (off < largest);
+}
+
+}  // namespace kd

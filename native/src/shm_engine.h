@@ -1,0 +1,118 @@
+// The shared-memory collective engine: one POSIX segment per machine, a slot
+// per local rank (control lines + two data buffers), collectives executed in
+// lock step through monotonically increasing per-rank step counters.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "reduce.h"
+
+namespace kd {
+
+// Ranks disagree about a collective (kind, op, dtype, size, name or root).
+struct MismatchError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// A peer process died, or aborted the collective this rank waits in.
+struct PeerFailureError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// A wait passed timeout_seconds.
+struct TimeoutError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// The segment cannot be created, opened or used.
+struct TransportError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct EngineOptions {
+  std::string name;             // "/kd-..." as for shm_open
+  bool create = false;          // true on local rank 0 only
+  int local_rank = 0;
+  int local_size = 1;
+  size_t slot_bytes = 16u << 20;  // data bytes per rank (two buffers)
+  std::vector<int64_t> pids;      // pid of every local rank
+  std::vector<int64_t> ranks;     // global rank of every local rank, for messages
+  double stall_seconds = 60.0;    // 0: never warn
+  double timeout_seconds = 0.0;   // 0: wait forever (still checking liveness)
+};
+
+// Receives stall warnings. May throw; the collective then aborts.
+using StallCallback = std::function<void(const std::string&)>;
+
+struct SegmentLayout;
+
+class ShmEngine {
+ public:
+  ShmEngine(const EngineOptions& options, StallCallback on_stall);
+  ~ShmEngine();
+  ShmEngine(const ShmEngine&) = delete;
+  ShmEngine& operator=(const ShmEngine&) = delete;
+
+  // Collective: returns once every local rank has mapped the segment; local
+  // rank 0 then unlinks the name, so nothing can leak even on SIGKILL.
+  void attach();
+  // Removes the name if it still exists (local rank 0; idempotent).
+  void unlink();
+
+  void allreduce(void* buf, size_t nbytes, DType dtype, Op op, uint64_t name_hash);
+  void broadcast(void* buf, size_t nbytes, int root, uint64_t name_hash);
+  void allgatherv(const void* send, size_t send_bytes, void* recv,
+                  const std::vector<uint64_t>& counts_bytes, uint64_t name_hash);
+  void barrier();
+
+  // This rank's next data buffer, valid until the next collective; allreduce
+  // of a buffer starting there skips the copy in. nullptr if nbytes is larger
+  // than one buffer.
+  uint8_t* scratch(size_t nbytes);
+  size_t buffer_bytes() const { return half_bytes_; }
+  bool overlaps_slot(const void* p, size_t nbytes) const;
+
+  int local_rank() const { return me_; }
+  int local_size() const { return n_; }
+  const std::string& name() const { return opt_.name; }
+
+ private:
+  struct Header;
+  struct RankCtl;
+
+  void begin(uint32_t kind, uint32_t op, uint32_t dtype, int32_t root, uint64_t nbytes,
+             uint64_t name_hash);
+  void publish();
+  void wait_all();
+  void check_headers();
+  void fail(const char* reason);  // poisons the segment for every rank
+  void ensure_usable();
+  std::string describe_missing(const std::vector<int>& missing) const;
+  std::string rank_label(int local) const;
+  std::string current_collective() const;
+
+  RankCtl* ctl(int rank) const;
+  uint8_t* data(int rank, int which) const;
+  void reduce_small(void* buf, size_t nbytes, DType dtype, Op op);
+  void reduce_chunked(uint8_t* buf, size_t nbytes, DType dtype, Op op, bool in_slot);
+
+  EngineOptions opt_;
+  StallCallback on_stall_;
+  int me_ = 0;
+  int n_ = 1;
+  int fd_ = -1;
+  uint8_t* base_ = nullptr;
+  size_t map_bytes_ = 0;
+  size_t half_bytes_ = 0;
+  size_t data_offset_ = 0;
+  bool unlinked_ = false;
+  bool broken_ = false;
+  uint64_t step_ = 0;   // last step this rank published
+  uint64_t coll_ = 0;   // collectives begun so far
+  int next_buf_ = 0;    // data buffer the next write uses
+  std::vector<const void*> srcs_;
+};
+
+}  // namespace kd

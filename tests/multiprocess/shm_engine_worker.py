@@ -1,0 +1,288 @@
+"""One rank of the shm transport checks; run by test_shm_engine.py under mpiexec.
+
+    mpiexec -n N python shm_engine_worker.py MODE [--ranks-per-node K] [--slot-bytes B]
+
+Every rank builds the comms itself (K > 0 pretends machines of K ranks), checks
+ShmTransport against numpy references it computes for all ranks, and prints
+"OK <mode>" at the end. Any exception aborts the whole job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import time
+import traceback
+import warnings
+
+import ml_dtypes
+import numpy as np
+from mpi4py import MPI
+
+from keras_dist import _dtypes, errors
+from keras_dist._config import Config
+from keras_dist.backends.shm import ShmTransport
+
+DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int32, np.int64, np.uint8]
+OPS = {
+    _dtypes.SUM: np.add,
+    _dtypes.MIN: np.minimum,
+    _dtypes.MAX: np.maximum,
+    _dtypes.PRODUCT: np.multiply,
+}
+world = MPI.COMM_WORLD
+RANK, SIZE = world.Get_rank(), world.Get_size()
+
+
+def make_transport(args, **settings):
+    machine = world.Split_type(MPI.COMM_TYPE_SHARED, key=RANK)
+    if args.ranks_per_node:
+        local = machine.Split(color=machine.Get_rank() // args.ranks_per_node, key=RANK)
+    else:
+        local = machine
+    cross = world.Split(color=local.Get_rank(), key=RANK)
+    config = Config(shm_slot_bytes=args.slot_bytes, job_id=args.job, **settings)
+    transport = ShmTransport(local, cross if cross.Get_size() > 1 else None, config)
+    assert transport.rank == RANK and transport.size == SIZE
+    return transport
+
+
+def segments(job):
+    return glob.glob(f"/dev/shm/kd-{os.getuid()}-{job}-*")
+
+
+def rank_data(dtype, size, rank, op, seed):
+    """Rank `rank`'s random input: never zero, products stay in range."""
+    rng = np.random.default_rng([seed, rank])
+    dtype = np.dtype(dtype)
+    if dtype.kind in "fV" or dtype == np.dtype(ml_dtypes.bfloat16):
+        high = 1.5 if op == _dtypes.PRODUCT else 100.0
+        mag = rng.uniform(0.5, high, size)
+        return np.where(rng.random(size) < 0.5, -mag, mag).astype(dtype)
+    info = np.iinfo(dtype)
+    values = rng.integers(info.min, info.max, size, dtype=dtype, endpoint=True)
+    values[values == 0] = 1
+    return values
+
+
+def reference(inputs, dtype, op):
+    dtype = np.dtype(dtype)
+    acc_dtype = np.float32 if dtype.itemsize == 2 and dtype.kind != "i" else dtype
+    acc = inputs[0].astype(acc_dtype)
+    with np.errstate(over="ignore"):
+        for x in inputs[1:]:
+            acc = OPS[op](acc, x.astype(acc_dtype))
+        return acc.astype(dtype)
+
+
+def check_allreduce(transport, dtype, op, size, seed, exact):
+    inputs = [rank_data(dtype, size, r, op, seed) for r in range(SIZE)]
+    buf = inputs[RANK].copy()
+    transport.allreduce(buf, op)
+    want = reference(inputs, dtype, op)
+    label = f"allreduce {np.dtype(dtype).name} {_dtypes.OP_NAMES[op]} size {size}"
+    if exact or np.dtype(dtype).kind in "iu" or op in (_dtypes.MIN, _dtypes.MAX):
+        assert np.array_equal(buf.view(np.uint8), want.view(np.uint8)), label
+    else:  # hierarchical: another summation order; compare with float64
+        got = buf.astype(np.float64)
+        ref = want.astype(np.float64)
+        scale = np.abs(np.stack([x.astype(np.float64) for x in inputs])).sum(0)
+        if op == _dtypes.PRODUCT:
+            scale = np.abs(ref)
+        tol = 2e-2 if np.dtype(dtype).itemsize == 2 else 1e-5
+        assert np.all(np.abs(got - ref) <= tol * scale + 1e-30), label
+
+
+def mode_correctness(args):
+    transport = make_transport(args)
+    world.Barrier()
+    assert not segments(args.job), "segment name must be unlinked once every rank attached"
+    exact = not args.ranks_per_node
+    sizes = [0, 1, 7, 64 * SIZE + 3, 20011, 300007]
+    for di, dtype in enumerate(DTYPES):
+        for op in OPS:
+            for size in sizes:
+                check_allreduce(transport, dtype, op, size, di * 1000 + op * 100 + size, exact)
+    # Broadcast from every root, odd sizes.
+    for root in range(SIZE):
+        for size in (0, 5, 70001, 3_000_001):
+            data = rank_data(np.float32, size, root, _dtypes.SUM, size)
+            buf = data.copy() if RANK == root else np.zeros(size, np.float32)
+            transport.broadcast(buf, root)
+            assert np.array_equal(buf, data), f"broadcast root {root} size {size}"
+    # Ragged allgather, including empty contributions.
+    for shape in ([3, 0, 1_000_003, 17], [0, 0, 0, 0], [40_000, 1, 2, 3]):
+        counts = [shape[r % len(shape)] + r for r in range(SIZE)]
+        if sum(counts) == SIZE * (SIZE - 1) // 2 and shape[0] == 0:
+            counts = [0] * SIZE
+        parts = [rank_data(np.int64, c, r, _dtypes.SUM, 7) for r, c in enumerate(counts)]
+        recv = np.empty(sum(counts), np.int64)
+        transport.allgatherv(parts[RANK], recv, counts)
+        assert np.array_equal(recv, np.concatenate(parts)), f"allgatherv {counts}"
+    # Tens of millions of elements: values whose float32 sum is exact in any order.
+    big = 12_000_000 + 5
+    buf = ((np.arange(big, dtype=np.int64) % 1000) * 0.25 + RANK).astype(np.float32)
+    transport.allreduce(buf, _dtypes.SUM)
+    want = ((np.arange(big) % 1000) * 0.25 * SIZE + SIZE * (SIZE - 1) / 2).astype(np.float32)
+    assert np.array_equal(buf, want), "allreduce 12M float32"
+    # Scratch: pack into the shared slot, reduce without a copy in.
+    for count in (3, 5000, 100_000):
+        scratch = transport.scratch(count * 4).view(np.float32)
+        scratch[:] = np.arange(count, dtype=np.float32) * (RANK + 1)
+        transport.allreduce(scratch, _dtypes.SUM)
+        want = np.arange(count, dtype=np.float32) * (SIZE * (SIZE + 1) // 2)
+        assert np.array_equal(scratch, want), f"scratch allreduce {count}"
+    transport.barrier()
+    transport.close()
+    assert not segments(args.job)
+
+
+def mode_interleaved(args):
+    transport = make_transport(args)
+    rng = np.random.default_rng(1234)  # same sequence on every rank
+    exact = not args.ranks_per_node
+    for i in range(300):
+        kind = rng.integers(4)
+        size = int(rng.choice([0, 1, 3, 100, 5000, 70000]))
+        if kind == 0:
+            dtype = DTYPES[rng.integers(len(DTYPES))]
+            op = int(rng.integers(4))
+            check_allreduce(transport, dtype, op, size, i, exact)
+        elif kind == 1:
+            root = int(rng.integers(SIZE))
+            data = rank_data(np.float64, size, root, 0, i)
+            buf = data.copy() if RANK == root else np.empty(size)
+            transport.broadcast(buf, root)
+            assert np.array_equal(buf, data), f"step {i}: broadcast"
+        elif kind == 2:
+            counts = [int(c) for c in rng.integers(0, size + 1, SIZE)]
+            parts = [rank_data(np.int32, c, r, 0, i) for r, c in enumerate(counts)]
+            recv = np.empty(sum(counts), np.int32)
+            transport.allgatherv(parts[RANK], recv, counts)
+            assert np.array_equal(recv, np.concatenate(parts)), f"step {i}: allgatherv"
+        else:
+            transport.barrier()
+    # Many back-to-back small allreduces.
+    for i in range(args.repeat):
+        count = 1 + i % 16
+        buf = np.full(count, RANK + i, np.float32)
+        transport.allreduce(buf, _dtypes.SUM)
+        assert buf[0] == SIZE * i + SIZE * (SIZE - 1) // 2 and buf[-1] == buf[0], f"small {i}"
+    transport.close()
+    assert not segments(args.job)
+
+
+def mode_mismatch(args):
+    transport = make_transport(args)
+    local_rank = world.Split_type(MPI.COMM_TYPE_SHARED, key=RANK).Get_rank()
+    cases = [
+        (lambda: transport.allreduce(np.ones(10 + RANK, np.float32), _dtypes.SUM), "count"),
+        (
+            lambda: transport.allreduce(np.ones(8, DTYPES[2 + RANK % 2]), _dtypes.SUM),
+            "dtype",
+        ),
+        (lambda: transport.allreduce(np.ones(8, np.float32), RANK % 2), "op"),
+        (lambda: transport.allreduce(np.ones(8, np.float32), 0, name=f"g{RANK}"), "name"),
+        (lambda: transport.broadcast(np.ones(4, np.float32), RANK % 2), "root"),
+        (
+            lambda: transport.allreduce(np.ones(4, np.float32), 0)
+            if RANK % 2
+            else transport.barrier(),
+            "called",
+        ),
+    ]
+    del local_rank
+    for call, word in cases:
+        try:
+            call()
+        except errors.CollectiveMismatchError as exc:
+            message = str(exc)
+            assert word in message and "rank 0" in message and "rank 1" in message, message
+            if word == "count":
+                assert "rank 0 has dtype float32 count 10" in message, message
+        else:
+            raise AssertionError(f"no mismatch error for differing {word}")
+        # The engine stays usable after a mismatch.
+        buf = np.ones(5, np.float32)
+        transport.allreduce(buf, _dtypes.SUM)
+        assert np.all(buf == SIZE)
+    transport.close()
+
+
+def mode_stall(args):
+    transport = make_transport(args, stall_check_seconds=0.3, timeout_seconds=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if RANK == 1:
+            time.sleep(1.2)
+        buf = np.ones(3, np.float32)
+        transport.allreduce(buf, _dtypes.SUM)
+    assert np.all(buf == SIZE)
+    if RANK == 0:
+        stalls = [w for w in caught if issubclass(w.category, errors.StallWarning)]
+        assert stalls and "rank 1" in str(stalls[0].message), [str(w.message) for w in caught]
+    transport.close()
+
+
+def mode_timeout(args):
+    transport = make_transport(args, timeout_seconds=0.5)
+    if RANK == 0:
+        start = time.monotonic()
+        try:
+            transport.allreduce(np.ones(3, np.float32), _dtypes.SUM)
+        except errors.CollectiveTimeoutError as exc:
+            assert "rank 1" in str(exc) and time.monotonic() - start < 5, str(exc)
+        else:
+            raise AssertionError("no timeout")
+        world.Barrier()
+    else:
+        world.Barrier()  # rank 0 has given up: this rank now learns it aborted
+        try:
+            transport.allreduce(np.ones(3, np.float32), _dtypes.SUM)
+        except errors.PeerFailureError as exc:
+            assert "rank 0" in str(exc), str(exc)
+        else:
+            raise AssertionError("no peer failure after rank 0 aborted")
+    transport.close()
+
+
+def mode_death(args):
+    """Rank 1 dies without a word; the others must raise within seconds."""
+    transport = make_transport(args)
+    if RANK == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        transport.allreduce(np.ones(3, np.float32), _dtypes.SUM)
+    except errors.PeerFailureError as exc:
+        assert "rank 1" in str(exc) and "died" in str(exc), str(exc)
+        assert time.monotonic() - start < 5
+    else:
+        raise AssertionError("no peer failure")
+    print(f"rank {RANK} OK {args.mode}", flush=True)
+    os._exit(0)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode")
+    parser.add_argument("--ranks-per-node", type=int, default=0)
+    parser.add_argument("--slot-bytes", type=int, default=16 << 20)
+    parser.add_argument("--repeat", type=int, default=10_000)
+    parser.add_argument("--job", default="")
+    args = parser.parse_args()
+    args.job = world.bcast(args.job or f"t{os.getpid()}", root=0)
+    globals()[f"mode_{args.mode}"](args)
+    print(f"rank {RANK} OK {args.mode}", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        world.Abort(1)
