@@ -505,7 +505,7 @@ def run(args: argparse.Namespace) -> int:
     say(f"# timing: median of {args.reps} blocks of {args.iters} calls (after {args.warmup} "
         "warm-up calls), slowest rank per block"
         + (", keras_dist and mpi4py blocks alternating" if vs_mpi else ""))
-    say(f"# memory copy: {mem_gbps:.2f} GB/s per process ({nranks} processes np.copyto "
+    say(f"# memory copy: {mem_gbps:.2f} GB/s per process (each of {nranks} ranks np.copyto "
         f"{args.mem_bytes / (1 << 20):g} MiB at once, median of 5); %mem = busbw / that")
     if vs_mpi:
         note = " (bfloat16 travels as float32: no MPI datatype)" if (
