@@ -1,0 +1,27 @@
+"""The Keras layer at 1 and 2 ranks under kdrun (see keras_workers/train_checks.py).
+
+The worker checks on every rank: exactness against a float64 numpy SGD with
+the global batch (ranks starting from different weights), the number of
+allreduce calls, backward_passes_per_step, fp16 compression, the predivide
+factor, sparse gradients both ways, the four callbacks, a float16 overflow
+on one rank only under mixed_float16, jit_compile=True, and save/load/resume.
+"""
+
+import pytest
+
+from tests._mp import run_job
+
+WORKER = "tests/multiprocess/keras_workers/train_checks.py"
+# The MPI data plane: these checks are about the Keras layer, not the transport.
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", "KERAS_DIST_CPU_OPERATIONS": "mpi"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("np_", [1, 2])
+def test_keras_layer_on_every_rank(np_):
+    result = run_job(WORKER, np=np_, timeout=260, env=ENV)
+    result.check()
+    for rank in range(np_):
+        assert f"KERAS CHECKS OK rank={rank} size={np_}" in result.output(rank), \
+            result.describe()
