@@ -1,0 +1,87 @@
+"""The shm transport at 1-4 ranks under mpiexec, one machine and pretend several.
+
+Each case runs shm_engine_worker.py under ``mpiexec`` with a hard timeout; every
+rank checks its results against numpy references and prints "OK <mode>".
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+pytest.importorskip("keras_dist._native")
+pytest.importorskip("mpi4py")
+
+WORKER = os.path.join(os.path.dirname(__file__), "shm_engine_worker.py")
+MPIEXEC = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_ranks(nranks, mode, *extra, mpiexec_flags=(), timeout=180):
+    job = f"pt{uuid.uuid4().hex[:10]}"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    command = [MPIEXEC, *mpiexec_flags, "-n", str(nranks), sys.executable, WORKER, mode,
+               "--job", job, *extra]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(command)} ran over {timeout} s\nstdout:\n{exc.stdout}\n"
+                    f"stderr:\n{exc.stderr}")
+    output = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    leftovers = glob.glob(f"/dev/shm/kd-{os.getuid()}-{job}-*")
+    return done, output, leftovers
+
+
+@pytest.mark.parametrize(
+    "nranks, extra",
+    [
+        (1, ()),
+        (2, ()),
+        (3, ()),
+        (4, ()),
+        (3, ("--slot-bytes", "65536")),  # many chunks per message
+        (4, ("--ranks-per-node", "2")),  # two pretend machines
+        (3, ("--ranks-per-node", "2")),  # uneven machines
+    ],
+)
+def test_collectives_match_numpy(nranks, extra):
+    done, output, leftovers = run_ranks(nranks, "correctness", *extra)
+    assert done.returncode == 0, output
+    assert done.stdout.count("OK correctness") == nranks, output
+    assert not leftovers, f"segments left in /dev/shm: {leftovers}\n{output}"
+
+
+@pytest.mark.parametrize("nranks, extra", [(2, ()), (4, ()), (3, ("--ranks-per-node", "2"))])
+def test_interleaved_and_many_small_collectives(nranks, extra):
+    done, output, leftovers = run_ranks(nranks, "interleaved", *extra)
+    assert done.returncode == 0, output
+    assert done.stdout.count("OK interleaved") == nranks, output
+    assert not leftovers, f"segments left in /dev/shm: {leftovers}\n{output}"
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_mismatch_raises_on_every_rank(nranks):
+    done, output, _ = run_ranks(nranks, "mismatch")
+    assert done.returncode == 0, output
+    assert done.stdout.count("OK mismatch") == nranks, output
+
+
+@pytest.mark.parametrize("mode", ["stall", "timeout"])
+def test_stall_warning_and_timeout(mode):
+    done, output, _ = run_ranks(2, mode)
+    assert done.returncode == 0, output
+    assert done.stdout.count(f"OK {mode}") == 2, output
+
+
+def test_dead_peer_raises_on_survivors():
+    done, output, leftovers = run_ranks(3, "death", mpiexec_flags=("-disable-auto-cleanup",))
+    # The dead rank's exit status is the job's; the survivors must report.
+    assert done.stdout.count("OK death") == 2, output
+    assert not leftovers, f"segments left in /dev/shm: {leftovers}\n{output}"
