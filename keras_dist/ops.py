@@ -261,10 +261,12 @@ def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
             transport.allreduce(flat, code, name=f"{name} {op.value} " + _describe(
                 tuple((a.shape, a.dtype.str) for a in members), len(arrays)))
             COUNTERS["allreduce"] += 1
+            # ``flat`` may be shared memory that peers still read: only read it now.
             if op is ReduceOp.AVERAGE and not np.issubdtype(dtype, np.floating) \
                     and not _dtypes.is_half(dtype):
-                np.floor_divide(flat, group.size, out=flat)
                 results = fusion.unpack(flat, members)
+                for result in results:
+                    np.floor_divide(result, group.size, out=result)
             else:
                 scale = postscale / group.size if op is ReduceOp.AVERAGE else postscale
                 results = fusion.unpack(flat, members, scale)
