@@ -49,6 +49,27 @@ from keras_dist.timeline import start_timeline, stop_timeline
 
 __version__ = "0.1.0"
 
+# The Keras layer imports Keras (and so its backend, e.g. TensorFlow), which
+# takes seconds: it loads on first use, so the collectives alone stay light.
+_LAZY = {
+    "DistributedOptimizer": ("keras_dist.optimizer", "DistributedOptimizer"),
+    "load_model": ("keras_dist.keras_utils", "load_model"),
+    "shard": ("keras_dist.data", "shard"),
+    "callbacks": ("keras_dist.callbacks", None),
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'keras_dist' has no attribute {name!r}")
+    import importlib
+
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
 
 def size() -> int:
     """The number of ranks in the job."""
@@ -82,6 +103,7 @@ def cross_rank() -> int:
 
 __all__ = [
     "Average", "CollectiveMismatchError", "CollectiveTimeoutError", "Compression",
+    "DistributedOptimizer", "callbacks", "load_model", "shard",
     "KerasDistError", "Max", "Min", "NotInitializedError", "PeerFailureError", "Product",
     "ReduceOp", "StallWarning", "Sum", "TransportError", "allgather", "allgather_object",
     "allreduce", "barrier", "broadcast", "broadcast_object", "broadcast_variables",
