@@ -300,7 +300,7 @@ def count_wrong_exact(result: np.ndarray, expected: np.ndarray) -> int:
 
 _GROUP_COLUMNS = ("time(us)", "algbw", "busbw", "#wrong", "%mem")
 _GROUP_UNITS = ("(us)", "(GB/s)", "(GB/s)", "", "")
-_GROUP_WIDTHS = (10, 8, 8, 7, 6)
+_GROUP_WIDTHS = (11, 8, 8, 7, 6)
 _ROW_COLUMNS = ("size", "count", "type", "redop")
 _ROW_UNITS = ("(B)", "(elements)", "", "")
 _ROW_WIDTHS = (12, 12, 9, 8)
@@ -309,7 +309,8 @@ _RATIO_WIDTHS = (7, 7)
 
 
 def _cells(values: Sequence[str], widths: Sequence[int]) -> str:
-    return "".join(f"{v:>{w}}" for v, w in zip(values, widths))
+    """Right-aligned cells, each led by at least one space even when it overflows."""
+    return "".join(f" {v:>{w - 1}}" for v, w in zip(values, widths))
 
 
 def header_lines(kd_label: str, mpi_label: str | None) -> list[str]:
