@@ -56,6 +56,9 @@ SHM_DIR = "/dev/shm"
 # mpiexec itself has ended, before kdrun kills what is left.
 STOP_GRACE_SECONDS = 3.0
 _POLL_SECONDS = 0.05
+# Seconds ranks may stay in MPI start-up after a peer exited before init()
+# (hydra never stops such a job) before kdrun stops it.
+INIT_GRACE_SECONDS = 5.0
 
 
 class UsageError(ValueError):
@@ -299,20 +302,55 @@ def cleanup_shm(job_id: str, before: dict[str, int]) -> list[str]:
 # --- watching ranks ------------------------------------------------------------
 
 
-class _RankWatcher:
-    """Follows the ranks' start files and notes the order in which local ranks exit.
+_RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
-    The first rank to exit without finishing is the one that died; hydra kills
-    the others only after it noticed. Exits are observed through pidfds, so a
-    rank's death is seen as it happens, not at the next poll.
+
+def _read_environ(pid: int) -> dict[bytes, bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            items = handle.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.partition(b"=")[::2] for item in items if item)
+
+
+def _maps_mpi(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as handle:
+            return any("libmpi" in line for line in handle)
+    except OSError:
+        return False
+
+
+class _RankWatcher:
+    """Follows the job's local rank processes and the order in which they exit.
+
+    Rank processes are found two ways: by their start files, and by a scan of
+    /proc for processes carrying the job id and an MPI rank variable (so that
+    ranks are seen before, or without, ``keras_dist.init()``). Exits are
+    observed through pidfds, as they happen: the first rank to exit without
+    finishing is the one that died, since hydra kills the others only after
+    it noticed.
     """
 
-    def __init__(self, status_dir: str) -> None:
+    _SCAN_SECONDS = 0.5
+
+    def __init__(self, status_dir: str, job_id: str, num_proc: int, all_local: bool) -> None:
         self._status_dir = status_dir
+        self._num_proc = num_proc
+        self._all_local = all_local
+        self._missing_since: float | None = None
+        self._job_id = job_id.encode()
         self._host = socket.gethostname()
-        self._seen: set[int] = set()
-        self._fds: dict[int, int] = {}  # pidfd -> rank
+        self._fds: dict[int, tuple[int, int]] = {}  # pidfd -> (rank, pid)
+        self._watched: set[int] = set()  # pids
+        self._next_scan = 0.0
+        self.statuses: dict[int, _jobstatus.RankStatus] = {}
         self.exit_order: list[int] = []
+        #: rank -> (pid, monotonic time) of rank processes that exited before init().
+        self.exited_before_init: dict[int, tuple[int, float]] = {}
+        #: rank -> pid of rank processes alive now.
+        self.alive: dict[int, int] = {}
 
     def poll(self, timeout: float) -> None:
         self._scan()
@@ -328,7 +366,7 @@ class _RankWatcher:
 
     def close(self) -> None:
         # A final look: ranks that ended between the last poll and now.
-        self._scan()
+        self._read_status()
         if self._fds:
             try:
                 ready, _, _ = select.select(list(self._fds), [], [], 0)
@@ -340,36 +378,89 @@ class _RankWatcher:
             os.close(fd)
         self._fds.clear()
 
+    def stuck_in_init(self, grace: float) -> list[int]:
+        """Ranks still starting MPI ``grace`` s after a peer left before init().
+
+        Such ranks wait for the missing peer forever: hydra does not stop a job
+        whose rank exits before it has initialised MPI. A peer has left when
+        its process was seen to exit, or (all ranks on this machine) when it
+        is not running at all.
+        """
+        missing = set(self.exited_before_init)
+        if self._all_local:
+            missing |= set(range(self._num_proc)) - self.alive.keys()
+        if not missing or not self.alive or self.statuses.keys() & self.alive.keys():
+            self._missing_since = None
+            return []
+        now = time.monotonic()
+        if self._missing_since is None:
+            self._missing_since = now
+        if now - self._missing_since < grace:
+            return []
+        return sorted(rank for rank, pid in self.alive.items() if _maps_mpi(pid))
+
     def _exited(self, fd: int) -> None:
-        self.exit_order.append(self._fds.pop(fd))
+        rank, pid = self._fds.pop(fd)
         os.close(fd)
+        self._record_exit(rank, pid)
+
+    def _record_exit(self, rank: int, pid: int) -> None:
+        if self.alive.get(rank) == pid:
+            del self.alive[rank]
+        if rank not in self.exit_order:
+            self.exit_order.append(rank)
+        self._read_status()
+        if rank not in self.statuses:
+            self.exited_before_init.setdefault(rank, (pid, time.monotonic()))
+
+    def _watch(self, rank: int, pid: int) -> None:
+        if pid in self._watched or not hasattr(os, "pidfd_open"):
+            return
+        self._watched.add(pid)
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            self._record_exit(rank, pid)
+            return
+        self._fds[fd] = (rank, pid)
+        self.alive[rank] = pid
+
+    def _read_status(self) -> None:
+        self.statuses = _jobstatus.read_status(self._status_dir)
 
     def _scan(self) -> None:
-        try:
-            names = os.listdir(self._status_dir)
-        except OSError:
+        self._read_status()
+        for rank, status in self.statuses.items():
+            if status.pid is not None and status.host == self._host:
+                self._watch(rank, status.pid)
+        now = time.monotonic()
+        if now < self._next_scan or len(self.exit_order) + len(self.alive) >= self._num_proc:
             return
-        for name in names:
-            if not (name.startswith("rank") and name.endswith(".start")):
+        self._next_scan = now + self._SCAN_SECONDS
+        candidates = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
                 continue
-            try:
-                rank = int(name[4:-6])
-            except ValueError:
+            environ = _read_environ(int(entry))
+            if environ.get(JOB_ID_ENV.encode()) != self._job_id:
                 continue
-            if rank in self._seen:
-                continue
-            status = _jobstatus.read_status(self._status_dir).get(rank)
-            if status is None or status.pid is None:
-                continue  # written by rename, so this is rare; retry next poll
-            self._seen.add(rank)
-            if status.host != self._host or not hasattr(os, "pidfd_open"):
-                continue
-            try:
-                self._fds[os.pidfd_open(status.pid)] = rank
-            except ProcessLookupError:
-                self.exit_order.append(rank)
-            except OSError:
-                pass
+            rank = next((environ[name.encode()] for name in _RANK_ENV
+                         if name.encode() in environ), None)
+            if rank is not None and rank.isdigit():
+                candidates[int(entry)] = int(rank)
+        for pid, rank in candidates.items():
+            # A rank's own children inherit its variables: watch the topmost.
+            parent = _parent_pid(pid)
+            if candidates.get(parent) != rank:
+                self._watch(rank, pid)
+
+
+def _parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+            return int(handle.read().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def describe_failure(
@@ -445,7 +536,9 @@ def launch(options: LaunchOptions) -> int:
         received.append(signum)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    watcher = _RankWatcher(status_dir)
+    local_names = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
+    all_local = all(host in local_names for host, _ in options.hosts)
+    watcher = _RankWatcher(status_dir, job_id, options.num_proc, all_local)
     proc = None
     try:
         try:
@@ -456,10 +549,17 @@ def launch(options: LaunchOptions) -> int:
         except OSError as error:
             _say(f"kdrun: cannot start {mpiexec}: {error}")
             return 127
-        returncode = _supervise(proc, watcher, received, job_id)
+        returncode, stuck = _supervise(proc, watcher, received, job_id)
         watcher.close()
         if received:
             return 128 + received[0]
+        if stuck:
+            gone = sorted(set(range(options.num_proc)) - set(stuck))
+            _say(f"kdrun: rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} "
+                 f"exited before keras_dist.init() while rank{'s' if len(stuck) > 1 else ''} "
+                 f"{', '.join(map(str, stuck))} waited for {'them' if len(gone) > 1 else 'it'} "
+                 "to start MPI; stopped the job.")
+            return 1
         statuses = _jobstatus.read_status(status_dir)
         if returncode == 0 and any(s.started and not s.done for s in statuses.values()):
             # hydra reports success when a rank leaves without MPI_Finalize
@@ -494,10 +594,16 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _supervise(proc: subprocess.Popen, watcher: _RankWatcher, received: list[int],
-               job_id: str) -> int:
-    """Waits for mpiexec, forwarding signals; returns kdrun's exit code for it."""
+               job_id: str) -> tuple[int, list[int]]:
+    """Waits for mpiexec, forwarding signals.
+
+    Returns:
+        kdrun's exit code for the job so far, and the ranks found stuck in MPI
+        start-up after a peer exited before init (then the job was stopped).
+    """
     forwarded = 0
     kill_at = None
+    stuck: list[int] = []
     while proc.poll() is None:
         if len(received) > forwarded:
             signum = received[forwarded]
@@ -511,6 +617,10 @@ def _supervise(proc: subprocess.Popen, watcher: _RankWatcher, received: list[int
                 proc.send_signal(signum)
             except OSError:
                 pass
+        if not stuck and kill_at is None:
+            stuck = watcher.stuck_in_init(INIT_GRACE_SECONDS)
+            if stuck:
+                kill_at = time.monotonic()
         if kill_at is not None and time.monotonic() >= kill_at:
             _kill_group(proc)
             kill_job_processes(job_id)
@@ -519,18 +629,18 @@ def _supervise(proc: subprocess.Popen, watcher: _RankWatcher, received: list[int
     returncode = proc.wait()
     # mpiexec is gone; give ranks it left behind (-disable-auto-cleanup, a
     # crashed hydra) a moment to end on their own, then kill them.
-    deadline = time.monotonic() + (0 if received else STOP_GRACE_SECONDS)
+    deadline = time.monotonic() + (0 if received or stuck else STOP_GRACE_SECONDS)
     while find_job_processes(JOB_ID_ENV, job_id) and time.monotonic() < deadline:
         watcher.poll(_POLL_SECONDS)
     left = kill_job_processes(job_id)
-    if left:
+    if left and not stuck:
         _say(f"kdrun: killed {left} process{'es' if left > 1 else ''} of the job that "
              "outlived mpiexec.")
         if returncode == 0:
             returncode = 1
     if returncode < 0:
-        return 128 - returncode
-    return returncode
+        return 128 - returncode, stuck
+    return returncode, stuck
 
 
 def main(argv: list[str] | None = None) -> int:

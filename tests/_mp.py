@@ -64,6 +64,8 @@ class JobResult:
         timed_out: the job ran past ``timeout`` and was stopped by the helper.
         duration: seconds from start until kdrun ended (or was killed).
         tag: the value of ``KERAS_DIST_TEST_TAG`` given to every process of the job.
+        leftovers: ``"pid cmdline"`` of processes of the job still alive once
+            kdrun had ended (the helper then killed them); kdrun should leave none.
     """
 
     args: list[str]
@@ -75,6 +77,7 @@ class JobResult:
     timed_out: bool
     duration: float
     tag: str
+    leftovers: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def stdout(self) -> str:
@@ -121,6 +124,9 @@ def format_job_output(result: JobResult) -> str:
     for rank in sorted(set(result.rank_stdout) | set(result.rank_stderr)):
         parts.append(_block(f"rank {rank} stdout", result.rank_stdout.get(rank, "")))
         parts.append(_block(f"rank {rank} stderr", result.rank_stderr.get(rank, "")))
+    if result.leftovers:
+        parts.append(_block("processes left running after kdrun ended",
+                            "\n".join(result.leftovers) + "\n"))
     parts.append("=====\n")
     return "".join(parts)
 
@@ -139,6 +145,14 @@ def processes_with_env(name: str, value: str) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return f"{pid} " + handle.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _kill_tagged(tag: str) -> None:
@@ -218,6 +232,7 @@ class RunningJob:
                 returncode = self.proc.wait()
         finally:
             duration = time.monotonic() - self._start
+            leftovers = [_cmdline(pid) for pid in processes_with_env(TAG_ENV, self.tag)]
             self.kill()
         try:
             rank_stdout, rank_stderr = (
@@ -233,6 +248,7 @@ class RunningJob:
                 timed_out=timed_out,
                 duration=duration,
                 tag=self.tag,
+                leftovers=[line for line in leftovers if line],
             )
         finally:
             self._scratch.cleanup()
