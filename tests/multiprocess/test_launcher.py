@@ -1,0 +1,88 @@
+"""kdrun end to end on healthy jobs: ranks, arguments, environment, hosts.
+(Failures and signals are in tests/faults/test_launcher_faults.py.)"""
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._mp import run_job
+
+WORKER = str(Path(__file__).with_name("launcher_worker.py"))
+TRICKY_ARGS = [
+    "a b", "it's", 'say "hi"', "", "  ", "$HOME", "`id`", "*", ";ls", "a\\b", "ünï",
+    "--flag=1", "-np", "--", "line\nbreak",
+]
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _reports(result, np_):
+    reports = {}
+    for rank in range(np_):
+        lines = [line for line in result.rank_stdout.get(rank, "").splitlines()
+                 if line.startswith("REPORT ")]
+        assert len(lines) == 1, result.describe()
+        reports[rank] = json.loads(lines[0][len("REPORT "):])
+    return reports
+
+
+@pytest.mark.parametrize("np_", [1, 3])
+def test_ranks_get_exact_arguments_and_job_environment(np_):
+    result = run_job([sys.executable, WORKER, *TRICKY_ARGS], np=np_, timeout=60).check()
+    reports = _reports(result, np_)
+    assert [reports[r]["rank"] for r in range(np_)] == list(range(np_)), result.describe()
+    job_ids = {report["job_id"] for report in reports.values()}
+    status_dirs = {report["status_dir"] for report in reports.values()}
+    assert len(job_ids) == 1 and re.fullmatch(r"[0-9a-f]{16}", job_ids.pop())
+    assert len(status_dirs) == 1
+    status_dir = status_dirs.pop()
+    for report in reports.values():
+        assert report["argv"] == TRICKY_ARGS
+        assert report["size"] == np_
+        assert report["status_dir_mode"] == 0o700
+        assert report["timeline"] is None
+    assert not os.path.exists(status_dir), "kdrun must remove the status directory"
+    assert result.launcher_stderr == "", result.describe()
+
+
+def test_each_job_gets_its_own_id():
+    first = _reports(run_job([sys.executable, WORKER], np=1, timeout=60).check(), 1)
+    second = _reports(run_job([sys.executable, WORKER], np=1, timeout=60).check(), 1)
+    assert first[0]["job_id"] != second[0]["job_id"]
+
+
+def test_host_list_and_timeline(tmp_path):
+    timeline = tmp_path / "timeline.json"
+    result = run_job(
+        [sys.executable, WORKER], np=2, timeout=60,
+        kdrun_args=["-H", "localhost:2", "--timeline", str(timeline)],
+    ).check()
+    reports = _reports(result, 2)
+    for report in reports.values():
+        assert report["size"] == 2 and report["local_size"] == 2
+        assert report["timeline"] == str(timeline)
+
+
+def test_output_passes_through_without_output_dir():
+    code = "import os; print('hello from', os.environ['PMI_RANK'])"
+    result = run_job([sys.executable, "-c", code], np=2, timeout=60,
+                     per_rank_output=False).check()
+    assert "hello from 0" in result.launcher_stdout, result.describe()
+    assert "hello from 1" in result.launcher_stdout, result.describe()
+
+
+def test_command_that_does_not_exist_fails():
+    result = run_job(["kdrun-no-such-command-xyz"], np=2, timeout=60)
+    assert result.returncode != 0, result.describe()
+    assert not result.timed_out and result.leftovers == [], result.describe()
+
+
+def test_plain_mpi_program_without_keras_dist():
+    code = ("from mpi4py import MPI; c = MPI.COMM_WORLD; "
+            "assert c.allreduce(c.rank) == c.size * (c.size - 1) // 2; print('ok', c.rank)")
+    result = run_job([sys.executable, "-c", code], np=2, timeout=60).check()
+    assert "ok 0" in result.stdout and "ok 1" in result.stdout, result.describe()
