@@ -34,6 +34,8 @@ class _Group:
 _group: _Group | None = None
 _lock = threading.Lock()
 _previous_excepthook = None
+#: (rank, size) of the job, known from the start of init(), for the excepthook.
+_job = (0, 1)
 
 
 def get() -> _Group:
@@ -67,6 +69,8 @@ def init(comm=None) -> None:
 
         comm = (MPI.COMM_WORLD if comm is None else comm).Dup()
         rank, size = comm.Get_rank(), comm.Get_size()
+        # From here on a failure on one rank (even inside init) ends the job.
+        _install_excepthook(rank, size)
         machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         if config.ranks_per_node:
             local_comm = machine.Split(color=machine.Get_rank() // config.ranks_per_node, key=rank)
@@ -90,7 +94,6 @@ def init(comm=None) -> None:
         )
         _group = group
         _jobstatus.record_start(rank)
-        _install_excepthook()
         atexit.register(shutdown)
     from keras_dist import timeline
 
@@ -157,27 +160,28 @@ def shutdown() -> None:
         _jobstatus.record_done(group.rank)
 
 
-def _install_excepthook() -> None:
+def _install_excepthook(rank: int, size: int) -> None:
     """An unhandled exception on one rank ends the whole job at once.
 
     Without this, the failing rank would sit in MPI_Finalize (or exit) while
     its peers wait forever in their next collective.
     """
-    global _previous_excepthook
+    global _previous_excepthook, _job
+    _job = (rank, size)
     if _previous_excepthook is not None:
         return
     _previous_excepthook = sys.excepthook
 
     def abort_job(exc_type, exc, tb):
-        group = _group
-        if group is None or group.size == 1 or issubclass(exc_type, KeyboardInterrupt):
+        rank, size = _job
+        if size == 1 or issubclass(exc_type, KeyboardInterrupt):
             _previous_excepthook(exc_type, exc, tb)
             return
         text = "".join(traceback.format_exception(exc_type, exc, tb))
-        label = f"[keras_dist rank {group.rank}/{group.size}] "
+        label = f"[keras_dist rank {rank}/{size}] "
         sys.stderr.write("".join(label + line + "\n" for line in text.rstrip().splitlines()))
         sys.stderr.flush()
-        _jobstatus.record_error(group.rank, text)
+        _jobstatus.record_error(rank, text)
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
