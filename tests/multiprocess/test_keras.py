@@ -12,8 +12,8 @@ import pytest
 from tests._mp import run_job
 
 WORKER = "tests/multiprocess/keras_workers/train_checks.py"
-# The MPI data plane: these checks are about the Keras layer, not the transport.
-ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", "KERAS_DIST_CPU_OPERATIONS": "mpi"}
+# The default transport (shared memory on one machine), as a user gets it.
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.slow
