@@ -156,16 +156,21 @@ std::unique_ptr<kd::ShmEngine> make_engine(const std::string& name, bool create,
   options.ranks = std::move(global_ranks);
   options.stall_seconds = stall_seconds;
   options.timeout_seconds = timeout_seconds;
-  kd::StallCallback callback;
+  // Both hooks run inside a wait that released the GIL; a Python exception
+  // (KeyboardInterrupt, a warning turned into an error) propagates out.
+  kd::EngineHooks hooks;
   if (!on_stall.is_none()) {
-    // Called from a wait with the GIL released; a Python exception propagates.
     auto shared = std::make_shared<nb::object>(on_stall);
-    callback = [shared](const std::string& message) {
+    hooks.on_stall = [shared](const std::string& message) {
       nb::gil_scoped_acquire acquire;
       (*shared)(message);
     };
   }
-  return std::make_unique<kd::ShmEngine>(options, std::move(callback));
+  hooks.check_interrupt = [] {
+    nb::gil_scoped_acquire acquire;
+    if (PyErr_CheckSignals() != 0) throw nb::python_error();
+  };
+  return std::make_unique<kd::ShmEngine>(options, std::move(hooks));
 }
 
 void engine_allreduce(kd::ShmEngine& engine, nb::handle buf_obj, int dtype_code, int op_code,

@@ -129,8 +129,8 @@ struct SegmentLayout {
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
 static_assert(std::atomic<int32_t>::is_always_lock_free, "need lock-free 32-bit atomics");
 
-ShmEngine::ShmEngine(const EngineOptions& options, StallCallback on_stall)
-    : opt_(options), on_stall_(std::move(on_stall)), me_(options.local_rank),
+ShmEngine::ShmEngine(const EngineOptions& options, EngineHooks hooks)
+    : opt_(options), hooks_(std::move(hooks)), me_(options.local_rank),
       n_(options.local_size) {
   if (n_ < 1 || me_ < 0 || me_ >= n_) {
     throw std::invalid_argument("`local_rank` must be in [0, local_size). Received: local_rank=" +
@@ -316,7 +316,7 @@ void ShmEngine::wait_all() {
     return true;
   };
   // Spin briefly: a peer on another core usually arrives within microseconds.
-  for (int i = 0; i < 4000; ++i) {
+  for (int i = 0; i < 2000; ++i) {
     if (all_arrived()) return;
     KD_PAUSE();
   }
@@ -360,19 +360,29 @@ void ShmEngine::wait_all() {
             << " s waiting for " << describe_missing(missing);
         throw TimeoutError(msg.str());
       }
-      if (t >= next_stall && on_stall_) {
+      if (t >= next_stall && hooks_.on_stall) {
         next_stall = t + opt_.stall_seconds;
         std::ostringstream msg;
         msg << current_collective() << " has waited " << int(t - start) << " s for "
             << describe_missing(missing) << ", which have not joined it";
-        on_stall_(msg.str());
+        try {
+          hooks_.on_stall(msg.str());
+        } catch (...) {
+          fail("its stall warning raised an exception");
+          throw;
+        }
+      }
+      if (hooks_.check_interrupt) {
+        try {
+          hooks_.check_interrupt();
+        } catch (...) {
+          fail("it was interrupted");
+          throw;
+        }
       }
     }
   } catch (const std::exception& e) {
-    fail(e.what());
-    throw;
-  } catch (...) {
-    fail("the collective was interrupted");
+    if (!broken_) fail(e.what());
     throw;
   }
 }

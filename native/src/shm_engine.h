@@ -43,14 +43,20 @@ struct EngineOptions {
   double timeout_seconds = 0.0;   // 0: wait forever (still checking liveness)
 };
 
-// Receives stall warnings. May throw; the collective then aborts.
-using StallCallback = std::function<void(const std::string&)>;
+// Hooks into the host runtime, called from slow waits (never from the fast path).
+struct EngineHooks {
+  // Receives stall warnings. May throw; the collective then aborts.
+  std::function<void(const std::string&)> on_stall;
+  // Called about every 100 ms while waiting; throws to abandon the wait
+  // (for example when the process got SIGINT).
+  std::function<void()> check_interrupt;
+};
 
 struct SegmentLayout;
 
 class ShmEngine {
  public:
-  ShmEngine(const EngineOptions& options, StallCallback on_stall);
+  ShmEngine(const EngineOptions& options, EngineHooks hooks);
   ~ShmEngine();
   ShmEngine(const ShmEngine&) = delete;
   ShmEngine& operator=(const ShmEngine&) = delete;
@@ -99,7 +105,7 @@ class ShmEngine {
   void reduce_chunked(uint8_t* buf, size_t nbytes, DType dtype, Op op, bool in_slot);
 
   EngineOptions opt_;
-  StallCallback on_stall_;
+  EngineHooks hooks_;
   int me_ = 0;
   int n_ = 1;
   int fd_ = -1;

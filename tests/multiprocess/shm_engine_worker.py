@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -245,6 +247,30 @@ def mode_timeout(args):
             assert "rank 0" in str(exc), str(exc)
         else:
             raise AssertionError("no peer failure after rank 0 aborted")
+    transport.close()
+
+
+def mode_interrupt(args):
+    """SIGINT while waiting for a peer raises KeyboardInterrupt; the peer learns of it."""
+    transport = make_transport(args)
+    if RANK == 0:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            transport.allreduce(np.ones(3, np.float32), _dtypes.SUM)
+        except KeyboardInterrupt:
+            assert time.monotonic() - start < 5
+        else:
+            raise AssertionError("no KeyboardInterrupt")
+        world.Barrier()
+    else:
+        world.Barrier()
+        try:
+            transport.allreduce(np.ones(3, np.float32), _dtypes.SUM)
+        except errors.PeerFailureError as exc:
+            assert "rank 0" in str(exc) and "interrupted" in str(exc), str(exc)
+        else:
+            raise AssertionError("no peer failure after rank 0 was interrupted")
     transport.close()
 
 

@@ -73,8 +73,8 @@ def test_mismatch_raises_on_every_rank(nranks):
     assert done.stdout.count("OK mismatch") == nranks, output
 
 
-@pytest.mark.parametrize("mode", ["stall", "timeout"])
-def test_stall_warning_and_timeout(mode):
+@pytest.mark.parametrize("mode", ["stall", "timeout", "interrupt"])
+def test_stall_timeout_and_interrupt(mode):
     done, output, _ = run_ranks(2, mode)
     assert done.returncode == 0, output
     assert done.stdout.count(f"OK {mode}") == 2, output
