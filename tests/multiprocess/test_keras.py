@@ -1,4 +1,4 @@
-"""The Keras layer at 1 and 2 ranks under kdrun (see keras_workers/train_checks.py).
+"""The Keras layer at 1, 2 and 3 ranks under kdrun (see keras_workers/train_checks.py).
 
 The worker checks on every rank: exactness against a float64 numpy SGD with
 the global batch (ranks starting from different weights), the number of
@@ -18,7 +18,7 @@ ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("np_", [1, 2])
+@pytest.mark.parametrize("np_", [1, 2, 3])
 def test_keras_layer_on_every_rank(np_):
     result = run_job(WORKER, np=np_, timeout=260, env=ENV)
     result.check()
