@@ -21,6 +21,7 @@ leave MPICH's shared-memory segment behind.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import secrets
 import select
@@ -56,6 +57,9 @@ SHM_DIR = "/dev/shm"
 # mpiexec itself has ended, before kdrun kills what is left.
 STOP_GRACE_SECONDS = 3.0
 _POLL_SECONDS = 0.05
+# Shared-memory files of MPI runtimes (MPICH, UCX, Open MPI) that a killed job
+# leaves in /dev/shm.
+MPI_SHM_PREFIXES = ("mpich_shm_", "ucx_shm_posix_", "vader_segment.", "sm_segment.")
 # Seconds ranks may stay in MPI start-up after a peer exited before init()
 # (hydra never stops such a job) before kdrun stops it.
 INIT_GRACE_SECONDS = 5.0
@@ -268,15 +272,16 @@ def cleanup_shm(job_id: str, before: dict[str, int]) -> list[str]:
     """Removes the shared-memory files the job left in /dev/shm.
 
     That is: files of this user whose name holds the job id (keras_dist's own
-    segments), and MPICH's ``mpich_shm_*`` files that appeared since the job
-    started and that no live process maps or holds open. Returns the names removed.
+    segments), and MPI runtimes' files (``MPI_SHM_PREFIXES``: MPICH's
+    ``mpich_shm_*`` among them) that appeared since the job started and that
+    no live process maps or holds open. Returns the names removed.
     """
     uid = os.geteuid()
     candidates = []
     for name, inode in shm_snapshot().items():
         ours = job_id in name
-        mpich_new = name.startswith("mpich_shm_") and before.get(name) != inode
-        if not (ours or mpich_new):
+        mpi_new = name.startswith(MPI_SHM_PREFIXES) and before.get(name) != inode
+        if not (ours or mpi_new):
             continue
         try:
             if os.lstat(os.path.join(SHM_DIR, name)).st_uid != uid:
@@ -544,7 +549,7 @@ def launch(options: LaunchOptions) -> int:
         try:
             proc = subprocess.Popen(
                 build_command(mpiexec, flavor, options, job_env), env=env,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=functools.partial(_die_with_parent, os.getpid()),
             )
         except OSError as error:
             _say(f"kdrun: cannot start {mpiexec}: {error}")
@@ -566,7 +571,9 @@ def launch(options: LaunchOptions) -> int:
             # with status 0, even though it then SIGKILLs the others.
             _say("kdrun: mpiexec reported success, but not every rank finished:")
             returncode = 1
-        if returncode != 0:
+        if returncode > 128 and proc.returncode < 0:
+            _say(f"kdrun: mpiexec was killed by {signal.Signals(-proc.returncode).name}.")
+        elif returncode != 0:
             for line in describe_failure(statuses, options.num_proc, watcher.exit_order,
                                          returncode):
                 _say(line)
@@ -580,6 +587,24 @@ def launch(options: LaunchOptions) -> int:
         shutil.rmtree(status_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In mpiexec, before exec: be SIGKILLed if kdrun itself dies.
+
+    mpiexec runs in a session of its own, so nothing else would stop it (and
+    the ranks) when kdrun is SIGKILLed; hydra's proxies stop the ranks when
+    mpiexec goes.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # kdrun already gone
+        os._exit(1)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

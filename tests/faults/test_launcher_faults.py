@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._mp import run_job, start_job
+from tests._mp import TAG_ENV, processes_with_env, run_job, start_job
 
 WORKER = str(Path(__file__).with_name("fault_worker.py"))
 # A job that fails must end well within this (issue 5: 30 s for a dead rank).
@@ -150,3 +150,15 @@ def test_signal_to_kdrun_stops_everything(signum, mode):
     assert result.returncode == 128 + signum, message
     assert f"kdrun: {signal.Signals(signum).name} received" in result.launcher_stderr, message
     _assert_clean_end(result)
+
+
+def test_kdrun_killed_takes_the_job_with_it():
+    # Nothing is left to clean /dev/shm then; but no rank may run on.
+    job = _start_and_wait_ready("hang")
+    job.proc.kill()
+    deadline = time.monotonic() + 15
+    while processes_with_env(TAG_ENV, job.tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in processes_with_env(TAG_ENV, job.tag) if pid != job.pid]
+    result = job.wait(5)
+    assert left == [], f"processes of the job outlived kdrun: {left}\n{result.describe()}"
