@@ -150,22 +150,31 @@ class ShmTransport(Transport):
             self._engine.attach()
         except _NATIVE_ERRORS as exc:
             raise _translate(exc) from None
-        self._byte_ops = {}
+        #: dtype.num -> native dtype code, filled on first use of each dtype.
+        self._codes: dict[int, int] = {}
 
     # -- collectives -------------------------------------------------------
 
     def allreduce(self, buf: np.ndarray, op: int, name: str | None = None) -> None:
-        code = _dtypes.dtype_code(buf.dtype)
-        view = buf.view(np.uint8)
+        code = self._codes.get(buf.dtype.num)
+        if code is None:
+            code = self._codes[buf.dtype.num] = _dtypes.dtype_code(buf.dtype)
         engine = self._engine
         if engine is None:
             raise errors.TransportError("shm transport is closed")
         try:
-            engine.allreduce(view, code, op, 0 if name is None else name_hash(name))
+            # The engine takes any buffer of the dtype's item size; numpy cannot
+            # export bfloat16 buffers, so those travel as bytes.
+            engine.allreduce(
+                buf.view(np.uint8) if code == _dtypes.BFLOAT16 else buf,
+                code,
+                op,
+                0 if name is None else name_hash(name),
+            )
             if self._hierarchical:
                 if self._is_leader:
                     self._cross_allreduce(buf, op)
-                engine.broadcast(view, 0, 0)
+                engine.broadcast(buf.view(np.uint8), 0, 0)
         except _NATIVE_ERRORS as exc:
             raise _translate(exc) from None
 

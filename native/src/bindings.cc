@@ -24,7 +24,9 @@ namespace {
 // A view on a Python object's memory, released on scope exit.
 class ByteBuffer {
  public:
-  ByteBuffer(nb::handle obj, bool writable, const char* what) {
+  // `element_size`, when given, also admits a buffer of any format with that
+  // item size (a float32 array for dtype float32), saving the caller a view.
+  ByteBuffer(nb::handle obj, bool writable, const char* what, size_t element_size = 0) {
     const int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj.ptr(), &view_, flags) != 0) {
       PyErr_Clear();
@@ -37,8 +39,11 @@ class ByteBuffer {
     }
     held_ = true;
     const char* fmt = view_.format ? view_.format : "B";
-    if (view_.itemsize != 1 || (std::strcmp(fmt, "B") != 0 && std::strcmp(fmt, "=B") != 0 &&
-                                std::strcmp(fmt, "<B") != 0 && std::strcmp(fmt, "|B") != 0)) {
+    const bool same_size = element_size > 1 && size_t(view_.itemsize) == element_size;
+    const bool is_bytes = view_.itemsize == 1 &&
+                          (std::strcmp(fmt, "B") == 0 || std::strcmp(fmt, "=B") == 0 ||
+                           std::strcmp(fmt, "<B") == 0 || std::strcmp(fmt, "|B") == 0);
+    if (!is_bytes && !same_size) {
       throw nb::type_error((std::string("`") + what +
                             "` must have dtype uint8 (pass arr.view(np.uint8)). Received: format '" +
                             fmt + "' with itemsize " + std::to_string(view_.itemsize))
@@ -49,7 +54,7 @@ class ByteBuffer {
                              std::to_string(view_.ndim))
                                 .c_str());
     }
-    if (view_.strides && view_.strides[0] != 1 && view_.shape[0] > 1) {
+    if (view_.strides && view_.strides[0] != view_.itemsize && view_.shape[0] > 1) {
       throw nb::value_error((std::string("`") + what +
                              "` must be C-contiguous. Received: stride " +
                              std::to_string(view_.strides[0]) + " bytes")
@@ -63,7 +68,7 @@ class ByteBuffer {
   ByteBuffer& operator=(const ByteBuffer&) = delete;
 
   uint8_t* data() const { return static_cast<uint8_t*>(view_.buf); }
-  size_t size() const { return size_t(view_.len); }
+  size_t size() const { return size_t(view_.len); }  // bytes
 
  private:
   Py_buffer view_{};
@@ -177,7 +182,7 @@ void engine_allreduce(kd::ShmEngine& engine, nb::handle buf_obj, int dtype_code,
                       uint64_t name_hash) {
   const kd::DType dtype = check_dtype(dtype_code);
   const kd::Op op = check_op(op_code);
-  ByteBuffer buf(buf_obj, true, "buf");
+  ByteBuffer buf(buf_obj, true, "buf", kd::dtype_size(dtype_code));
   element_count(buf.size(), dtype_code, "buf");
   nb::gil_scoped_release release;
   engine.allreduce(buf.data(), buf.size(), dtype, op, name_hash);
