@@ -188,3 +188,35 @@ def test_row_without_mpi_and_unchecked():
     row = bench.format_row(4, 1, "float32", "sum", (2e-6, 0.002, 0.002, None), 8.0)
     assert row.split() == ["4", "1", "float32", "sum", "2.00", "0.002", "0.002", "N/A", "0.0"]
     assert len(row) == len(bench.header_lines("keras_dist (mpi)", None)[1])
+
+
+@pytest.fixture
+def single_rank():
+    """keras_dist at size 1 in this process, shut down afterwards if we started it."""
+    import keras_dist as kd
+
+    started_here = not kd.is_initialized()
+    yield
+    if started_here:
+        kd.shutdown()
+
+
+SMALL_RUN = ["-b", "4", "-e", "1K", "-f", "16", "-n", "2", "-w", "1", "--reps", "2",
+             "--mem-bytes", "1M", "--vs", "mpi"]
+
+
+@pytest.mark.parametrize("collective", bench.COLLECTIVES)
+def test_single_rank_run_prints_the_table_and_exits_0(collective, single_rank, capsys):
+    assert bench.main([collective, *SMALL_RUN]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line and not line.startswith("#")]
+    assert [row[0] for row in rows] == ["4", "64", "1024"]
+    assert all(row[7] == "0" and row[12] == "0" for row in rows), out
+    assert "# Out of bounds values : 0 OK" in out
+
+
+def test_wrong_results_make_the_exit_status_1(single_rank, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "count_wrong_allreduce", lambda result, inputs, op: 1)
+    assert bench.main(["allreduce", *SMALL_RUN]) == 1
+    out = capsys.readouterr().out
+    assert "# Out of bounds values : 6 FAILED" in out  # 3 sizes x (keras_dist, mpi4py)
