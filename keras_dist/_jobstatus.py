@@ -26,6 +26,9 @@ STATUS_DIR_ENV = "KERAS_DIST_STATUS_DIR"
 
 _FILE_RE = re.compile(r"^rank(\d+)\.(start|error|done)$")
 _LABEL_RE = re.compile(r"^\[[^\]]*rank[^\]]*\]\s*")
+_EXCEPTION_LINE_RE = re.compile(
+    r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning|Fault)(:|$)"
+)
 
 
 def _write(rank: int, kind: str, text: str) -> None:
@@ -83,10 +86,16 @@ class RankStatus:
         """The last line of the traceback (``"ValueError: ..."``), or None."""
         if self.error is None:
             return None
-        lines = [line.strip() for line in self.error.splitlines() if line.strip()]
+        lines = [_LABEL_RE.sub("", line).strip() for line in self.error.splitlines()]
+        lines = [line for line in lines if line]
         if not lines:
             return "(empty traceback)"
-        return _LABEL_RE.sub("", lines[-1])
+        # The last "SomeError: message" line: TensorFlow appends node and
+        # op names after the exception line of the failing py_function.
+        for line in reversed(lines):
+            if _EXCEPTION_LINE_RE.match(line):
+                return line
+        return lines[-1]
 
     def describe(self) -> str:
         """``"rank 1 (pid 1234 on host)"``, with what is known."""

@@ -162,3 +162,33 @@ def test_kdrun_killed_takes_the_job_with_it():
     left = [pid for pid in processes_with_env(TAG_ENV, job.tag) if pid != job.pid]
     result = job.wait(5)
     assert left == [], f"processes of the job outlived kdrun: {left}\n{result.describe()}"
+
+
+FIT_WORKER = str(Path(__file__).with_name("fit_worker.py"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "transport, kind, step",
+    [("mpi", "kill", 11), ("shm", "kill", 11), ("mpi", "raise", 5)],
+)
+def test_fault_in_the_middle_of_fit(transport, kind, step):
+    if transport == "shm" and importlib.util.find_spec("keras_dist.backends.shm") is None:
+        pytest.skip("no shm transport yet")
+    result = run_job(
+        [sys.executable, FIT_WORKER], np=2, timeout=120,
+        env={"KERAS_DIST_CPU_OPERATIONS": transport, "FAULT_STEP": str(step),
+             "FAULT_KIND": kind},
+    )
+    message = result.describe()
+    assert f"FAULT at step {step}" in result.rank_stdout.get(1, ""), message
+    assert result.returncode != 0, message
+    if kind == "kill":
+        expected = "kdrun: rank 1 (pid "
+        assert "ended without finishing" in result.launcher_stderr, message
+    else:
+        expected = f"raised an exception: RuntimeError: injected fault at step {step}"
+    assert expected in result.launcher_stderr, message
+    assert "kdrun: rank 0 (pid" not in result.launcher_stderr, message
+    _assert_clean_end(result)

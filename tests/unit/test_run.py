@@ -318,3 +318,19 @@ def test_find_job_processes_sees_a_child_by_its_environment():
     finally:
         if child.poll() is None:
             child.kill()
+
+
+def test_error_summary_finds_the_exception_line_in_a_tensorflow_traceback():
+    text = (
+        "Traceback (most recent call last):\n"
+        '  File "train.py", line 3, in <module>\n'
+        "tensorflow.python.framework.errors_impl.UnknownError: {{function_node x}} "
+        "TypeError: bad buffer\n"
+        "Traceback (most recent call last):\n\n"
+        "TypeError: `buf` must have dtype uint8\n\n\n"
+        "\t [[{{node keras_dist_allreduce}}]] [Op:__inference_multi_step_on_iterator_318]\n"
+    )
+    status = _jobstatus.RankStatus(rank=0, error=text)
+    assert status.error_summary == "TypeError: `buf` must have dtype uint8"
+    assert _jobstatus.RankStatus(rank=0, error="odd\n").error_summary == "odd"
+    assert _jobstatus.RankStatus(rank=0, error="\n").error_summary == "(empty traceback)"
