@@ -16,7 +16,6 @@ that keeps world order).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import secrets
@@ -46,13 +45,6 @@ def _translate(exc: Exception) -> errors.KerasDistError:
     if isinstance(exc, _native.CollectiveTimeoutError):
         return errors.CollectiveTimeoutError(str(exc))
     return errors.TransportError(str(exc))
-
-
-def name_hash(name: str | None) -> int:
-    """A stable 64-bit hash of a collective's name (0 for no name)."""
-    if name is None:
-        return 0
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
 def segment_name(job_id: str | None) -> str:
@@ -169,12 +161,12 @@ class ShmTransport(Transport):
                 buf.view(np.uint8) if code == _dtypes.BFLOAT16 else buf,
                 code,
                 op,
-                0 if name is None else name_hash(name),
+                name,
             )
             if self._hierarchical:
                 if self._is_leader:
                     self._cross_allreduce(buf, op)
-                engine.broadcast(buf.view(np.uint8), 0, 0)
+                engine.broadcast(buf.view(np.uint8), 0)
         except _NATIVE_ERRORS as exc:
             raise _translate(exc) from None
 
@@ -202,19 +194,18 @@ class ShmTransport(Transport):
         engine = self._engine
         if engine is None:
             raise errors.TransportError("shm transport is closed")
-        tag = name_hash(name)
         root_node, root_local = self._where[root]
         try:
             if not self._hierarchical:
-                engine.broadcast(view, root_local, tag)
+                engine.broadcast(view, root_local, name)
                 return
             on_root_node = self._node == root_node
             if on_root_node and root_local != 0:
-                engine.broadcast(view, root_local, tag)
+                engine.broadcast(view, root_local, name)
             if self._is_leader:
                 self._cross.Bcast(view, root=root_node)
             if not on_root_node or root_local == 0:
-                engine.broadcast(view, 0, tag)
+                engine.broadcast(view, 0, name)
         except _NATIVE_ERRORS as exc:
             raise _translate(exc) from None
 
@@ -231,15 +222,14 @@ class ShmTransport(Transport):
         engine = self._engine
         if engine is None:
             raise errors.TransportError("shm transport is closed")
-        tag = name_hash(name)
         send_bytes, recv_bytes = send.view(np.uint8), recv.view(np.uint8)
         try:
             if not self._hierarchical:
-                engine.allgatherv(send_bytes, recv_bytes, byte_counts, tag)
+                engine.allgatherv(send_bytes, recv_bytes, byte_counts, name)
                 return
             node_counts = [byte_counts[g] for g in self._members[self._node]]
             node_blob = np.empty(sum(node_counts), np.uint8)
-            engine.allgatherv(send_bytes, node_blob, node_counts, tag)
+            engine.allgatherv(send_bytes, node_blob, node_counts, name)
             if self._is_leader:
                 totals = [sum(byte_counts[g] for g in ms) for ms in self._members]
                 starts = np.concatenate([[0], np.cumsum(totals)[:-1]]).astype(np.int64).tolist()
@@ -253,7 +243,7 @@ class ShmTransport(Transport):
                             at : at + byte_counts[g]
                         ]
                         at += byte_counts[g]
-            engine.broadcast(recv_bytes, 0, tag)
+            engine.broadcast(recv_bytes, 0, name)
         except _NATIVE_ERRORS as exc:
             raise _translate(exc) from None
 

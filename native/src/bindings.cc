@@ -178,24 +178,40 @@ std::unique_ptr<kd::ShmEngine> make_engine(const std::string& name, bool create,
   return std::make_unique<kd::ShmEngine>(options, std::move(hooks));
 }
 
+// The UTF-8 text of an optional collective name (None: no name).
+std::string_view name_text(nb::handle name) {
+  if (name.is_none()) return {};
+  Py_ssize_t size = 0;
+  const char* text = PyUnicode_AsUTF8AndSize(name.ptr(), &size);
+  if (!text) {
+    PyErr_Clear();
+    throw nb::type_error(("`name` must be a str or None. Received: an object of type " +
+                          std::string(nb::type_name(name.type()).c_str()))
+                             .c_str());
+  }
+  return std::string_view(text, size_t(size));
+}
+
 void engine_allreduce(kd::ShmEngine& engine, nb::handle buf_obj, int dtype_code, int op_code,
-                      uint64_t name_hash) {
+                      nb::handle name) {
   const kd::DType dtype = check_dtype(dtype_code);
   const kd::Op op = check_op(op_code);
   ByteBuffer buf(buf_obj, true, "buf", kd::dtype_size(dtype_code));
   element_count(buf.size(), dtype_code, "buf");
+  const std::string_view text = name_text(name);
   nb::gil_scoped_release release;
-  engine.allreduce(buf.data(), buf.size(), dtype, op, name_hash);
+  engine.allreduce(buf.data(), buf.size(), dtype, op, text);
 }
 
-void engine_broadcast(kd::ShmEngine& engine, nb::handle buf_obj, int root, uint64_t name_hash) {
+void engine_broadcast(kd::ShmEngine& engine, nb::handle buf_obj, int root, nb::handle name) {
   ByteBuffer buf(buf_obj, true, "buf");
+  const std::string_view text = name_text(name);
   nb::gil_scoped_release release;
-  engine.broadcast(buf.data(), buf.size(), root, name_hash);
+  engine.broadcast(buf.data(), buf.size(), root, text);
 }
 
 void engine_allgatherv(kd::ShmEngine& engine, nb::handle send_obj, nb::handle recv_obj,
-                       std::vector<uint64_t> counts_bytes, uint64_t name_hash) {
+                       std::vector<uint64_t> counts_bytes, nb::handle name) {
   ByteBuffer send(send_obj, false, "send");
   ByteBuffer recv(recv_obj, true, "recv");
   uint64_t total = 0;
@@ -206,8 +222,9 @@ void engine_allgatherv(kd::ShmEngine& engine, nb::handle send_obj, nb::handle re
                            std::to_string(total))
                               .c_str());
   }
+  const std::string_view text = name_text(name);
   nb::gil_scoped_release release;
-  engine.allgatherv(send.data(), send.size(), recv.data(), counts_bytes, name_hash);
+  engine.allgatherv(send.data(), send.size(), recv.data(), counts_bytes, text);
 }
 
 nb::object engine_scratch(nb::handle self, size_t nbytes) {
@@ -253,11 +270,11 @@ NB_MODULE(_native, m) {
            "Collective: waits for every local rank, then local rank 0 unlinks the name.")
       .def("unlink", &kd::ShmEngine::unlink, "Removes the segment's name (local rank 0).")
       .def("allreduce", &engine_allreduce, nb::arg("buf"), nb::arg("dtype"), nb::arg("op"),
-           nb::arg("name_hash") = 0)
+           nb::arg("name") = nb::none())
       .def("broadcast", &engine_broadcast, nb::arg("buf"), nb::arg("root"),
-           nb::arg("name_hash") = 0)
+           nb::arg("name") = nb::none())
       .def("allgatherv", &engine_allgatherv, nb::arg("send"), nb::arg("recv"),
-           nb::arg("counts_bytes"), nb::arg("name_hash") = 0)
+           nb::arg("counts_bytes"), nb::arg("name") = nb::none())
       .def("barrier", &kd::ShmEngine::barrier, nb::call_guard<nb::gil_scoped_release>())
       .def("scratch", &engine_scratch, nb::arg("nbytes"),
            "A view of this rank's next shared buffer (None if nbytes is too large); "

@@ -88,6 +88,16 @@ bool process_alive(int64_t pid) {
   return true;
 }
 
+uint64_t hash_bytes(const void* data, size_t n) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (size_t i = 0; i < n; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
 uint64_t hash_counts(const std::vector<uint64_t>& counts) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the 8-byte counts
   for (uint64_t c : counts) {
@@ -109,7 +119,8 @@ struct ShmEngine::Header {
   int32_t root;
   uint64_t nbytes;
   uint64_t name_hash;
-  uint64_t pad[3];
+  uint32_t name_len;  // bytes of `name` kept (a prefix of the caller's name)
+  char name[140];
 };
 
 struct ShmEngine::RankCtl {
@@ -274,7 +285,7 @@ void ShmEngine::fail(const char* reason) {
 }
 
 void ShmEngine::begin(uint32_t kind, uint32_t op, uint32_t dtype, int32_t root, uint64_t nbytes,
-                      uint64_t name_hash) {
+                      std::string_view name, uint64_t extra_hash) {
   ensure_usable();
   auto* seg = reinterpret_cast<SegmentLayout*>(base_);
   const int32_t aborted = seg->abort_rank.load(std::memory_order_acquire);
@@ -291,7 +302,9 @@ void ShmEngine::begin(uint32_t kind, uint32_t op, uint32_t dtype, int32_t root, 
   h.dtype = dtype;
   h.root = root;
   h.nbytes = nbytes;
-  h.name_hash = name_hash;
+  h.name_hash = (name.empty() ? 0 : hash_bytes(name.data(), name.size())) ^ extra_hash;
+  h.name_len = uint32_t(std::min(name.size(), sizeof(h.name)));
+  std::memcpy(h.name, name.data(), h.name_len);
   ++coll_;
 }
 
@@ -418,15 +431,19 @@ void ShmEngine::check_headers() {
     if (h.dtype != kNone) {
       parts.push_back(std::string("dtype ") + dtype_name(int(h.dtype)));
       parts.push_back("count " + std::to_string(h.nbytes / dtype_size(int(h.dtype))));
-    } else if (differ[3] || h.kind == kBroadcast || h.kind == kAllgatherv) {
+    } else if (h.kind == kBroadcast || h.kind == kAllgatherv) {
       parts.push_back(std::to_string(h.nbytes) + " bytes");
     }
     if (differ[5] && h.root >= 0) parts.push_back("root " + std::to_string(h.root));
     if (differ[4]) {
-      char buf[32];
-      std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(h.name_hash));
-      parts.push_back(h.kind == kAllgatherv ? std::string("counts hash ") + buf
-                                            : std::string("name hash ") + buf);
+      std::string quoted = "'" + std::string(h.name, h.name_len) +
+                           (h.name_len == sizeof(h.name) ? "...'" : "'");
+      parts.push_back(h.name_len ? "name " + quoted : "no name");
+      if (h.kind == kAllgatherv) {
+        char buf[32];
+        std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(h.name_hash));
+        parts.push_back(std::string("counts/name hash ") + buf);
+      }
     }
     for (size_t i = 0; i < parts.size(); ++i) msg << (i ? " " : "") << parts[i];
   }
@@ -436,7 +453,7 @@ void ShmEngine::check_headers() {
 }
 
 void ShmEngine::attach() {
-  begin(kAttach, kNone, kNone, -1, 0, 0);
+  begin(kAttach, kNone, kNone, -1, 0, {});
   publish();
   wait_all();
   check_headers();
@@ -452,15 +469,15 @@ void ShmEngine::unlink() {
 }
 
 void ShmEngine::barrier() {
-  begin(kBarrier, kNone, kNone, -1, 0, 0);
+  begin(kBarrier, kNone, kNone, -1, 0, {});
   if (n_ == 1) return;
   publish();
   wait_all();
   check_headers();
 }
 
-void ShmEngine::allreduce(void* buf, size_t nbytes, DType dtype, Op op, uint64_t name_hash) {
-  begin(kAllreduce, uint32_t(op), uint32_t(dtype), -1, nbytes, name_hash);
+void ShmEngine::allreduce(void* buf, size_t nbytes, DType dtype, Op op, std::string_view name) {
+  begin(kAllreduce, uint32_t(op), uint32_t(dtype), -1, nbytes, name);
   if (n_ == 1) return;
   uint8_t* bytes = static_cast<uint8_t*>(buf);
   const bool in_slot = nbytes > 0 && bytes == data(me_, next_buf_) && nbytes <= half_bytes_;
@@ -528,12 +545,12 @@ void ShmEngine::reduce_chunked(uint8_t* buf, size_t nbytes, DType dtype, Op op, 
   }
 }
 
-void ShmEngine::broadcast(void* buf, size_t nbytes, int root, uint64_t name_hash) {
+void ShmEngine::broadcast(void* buf, size_t nbytes, int root, std::string_view name) {
   if (root < 0 || root >= n_) {
     throw std::invalid_argument("broadcast: `root` must be in [0, local_size). Received: root=" +
                                 std::to_string(root) + " (local_size=" + std::to_string(n_) + ")");
   }
-  begin(kBroadcast, kNone, kNone, root, nbytes, name_hash);
+  begin(kBroadcast, kNone, kNone, root, nbytes, name);
   if (n_ == 1) return;
   const uint8_t* src = static_cast<const uint8_t*>(buf);
   std::unique_ptr<uint8_t[]> copy;
@@ -561,7 +578,7 @@ void ShmEngine::broadcast(void* buf, size_t nbytes, int root, uint64_t name_hash
 }
 
 void ShmEngine::allgatherv(const void* send, size_t send_bytes, void* recv,
-                           const std::vector<uint64_t>& counts_bytes, uint64_t name_hash) {
+                           const std::vector<uint64_t>& counts_bytes, std::string_view name) {
   if (counts_bytes.size() != size_t(n_)) {
     throw std::invalid_argument("allgatherv: `counts` must have local_size entries. Received: " +
                                 std::to_string(counts_bytes.size()) + " (local_size=" +
@@ -579,7 +596,7 @@ void ShmEngine::allgatherv(const void* send, size_t send_bytes, void* recv,
   if (overlaps_slot(recv, total)) {
     throw std::invalid_argument("allgatherv: `recv` must not be a scratch() buffer");
   }
-  begin(kAllgatherv, kNone, kNone, -1, total, name_hash ^ hash_counts(counts_bytes));
+  begin(kAllgatherv, kNone, kNone, -1, total, name, hash_counts(counts_bytes));
   uint8_t* out = static_cast<uint8_t*>(recv);
   if (n_ == 1) {
     if (send_bytes) std::memmove(out, send, send_bytes);

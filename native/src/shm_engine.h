@@ -8,6 +8,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "reduce.h"
@@ -67,10 +68,11 @@ class ShmEngine {
   // Removes the name if it still exists (local rank 0; idempotent).
   void unlink();
 
-  void allreduce(void* buf, size_t nbytes, DType dtype, Op op, uint64_t name_hash);
-  void broadcast(void* buf, size_t nbytes, int root, uint64_t name_hash);
+  // `name` (optional) is part of what ranks must agree on; mismatch errors quote it.
+  void allreduce(void* buf, size_t nbytes, DType dtype, Op op, std::string_view name = {});
+  void broadcast(void* buf, size_t nbytes, int root, std::string_view name = {});
   void allgatherv(const void* send, size_t send_bytes, void* recv,
-                  const std::vector<uint64_t>& counts_bytes, uint64_t name_hash);
+                  const std::vector<uint64_t>& counts_bytes, std::string_view name = {});
   void barrier();
 
   // This rank's next data buffer, valid until the next collective; allreduce
@@ -89,7 +91,7 @@ class ShmEngine {
   struct RankCtl;
 
   void begin(uint32_t kind, uint32_t op, uint32_t dtype, int32_t root, uint64_t nbytes,
-             uint64_t name_hash);
+             std::string_view name, uint64_t extra_hash = 0);
   void publish();
   void wait_all();
   void check_headers();

@@ -204,6 +204,8 @@ def mode_mismatch(args):
             assert word in message and "rank 0" in message and "rank 1" in message, message
             if word == "count":
                 assert "rank 0 has dtype float32 count 10" in message, message
+            if word == "name":
+                assert "name 'g0'" in message and "name 'g1'" in message, message
         else:
             raise AssertionError(f"no mismatch error for differing {word}")
         # The engine stays usable after a mismatch.
