@@ -1,0 +1,136 @@
+"""Several machines, simulated: each "host" is a network namespace of this
+machine with its own hostname, joined to the launching namespace by a bridge;
+hydra starts its proxies there through netns_launcher.sh (in place of ssh),
+and UCX is restricted to TCP so that MPI really crosses the (virtual) network.
+
+Needs root and ``ip netns``; skipped otherwise.
+"""
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests._mp import run_job, start_job
+
+HERE = Path(__file__).parent
+WORKER = str(HERE / "multihost_worker.py")
+LAUNCHER = str(HERE / "netns_launcher.sh")
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None
+                       or shutil.which("unshare") is None,
+                       reason="needs root, ip and unshare"),
+]
+
+
+def _ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """Two "hosts" of 2 slots each; yields (kdrun -H value, env for run_job, netns names)."""
+    tag = secrets.token_hex(2)
+    subnet = f"10.{200 + int(tag[0], 16)}.{int(tag[1:], 16) % 250}"
+    bridge, namespaces = f"kdbr{tag}", [f"kdns{tag}a", f"kdns{tag}b"]
+    created = []
+    try:
+        _ip("link", "add", bridge, "type", "bridge")
+        created.append(("link", "del", bridge))
+        _ip("addr", "add", f"{subnet}.1/24", "dev", bridge)
+        _ip("link", "set", bridge, "up")
+        entries = []
+        for index, namespace in enumerate(namespaces):
+            address, veth = f"{subnet}.{index + 2}", f"kdv{tag}{index}"
+            _ip("netns", "add", namespace)
+            created.append(("netns", "del", namespace))
+            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", namespace)
+            _ip("link", "set", veth, "master", bridge, "up")
+            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
+            _ip("-n", namespace, "link", "set", "eth0", "up")
+            _ip("-n", namespace, "link", "set", "lo", "up")
+            entries.append((address, namespace, f"kdhost{tag}{'ab'[index]}"))
+    except (subprocess.CalledProcessError, OSError) as error:
+        for command in reversed(created):
+            subprocess.run(["ip", *command], capture_output=True, timeout=30)
+        pytest.skip(f"cannot build network namespaces here: {error}")
+    env = {
+        "HYDRA_LAUNCHER": "ssh",
+        "HYDRA_LAUNCHER_EXEC": LAUNCHER,
+        "HYDRA_IFACE": bridge,
+        "KD_NETNS_HOSTS": ",".join("=".join(entry) for entry in entries),
+        "KD_LAUNCH_ADDRESS": f"{subnet}.1",
+        "UCX_TLS": "tcp,self",
+        "UCX_NET_DEVICES": "eth0",
+        "FI_PROVIDER": "tcp",
+    }
+    try:
+        yield ",".join(f"{address}:2" for address, _, _ in entries), env, namespaces, entries
+    finally:
+        for command in reversed(created):
+            subprocess.run(["ip", *command], capture_output=True, timeout=30)
+
+
+def _reports(result, np_):
+    reports = []
+    for rank in range(np_):
+        lines = [line for line in result.rank_stdout.get(rank, "").splitlines()
+                 if line.startswith("REPORT ")]
+        assert len(lines) == 1, result.describe()
+        reports.append(json.loads(lines[0][len("REPORT "):]))
+    return reports
+
+
+@pytest.mark.parametrize("transport", ["mpi", "auto"])
+def test_collectives_across_hosts(hosts, transport):
+    host_list, env, _, entries = hosts
+    result = run_job([sys.executable, WORKER, "check"], np=4, timeout=90,
+                     env={**env, "KERAS_DIST_CPU_OPERATIONS": transport},
+                     kdrun_args=["-H", host_list]).check()
+    reports = _reports(result, 4)
+    message = result.describe()
+    names = [name for _, _, name in entries]
+    assert [r["host"] for r in reports] == [names[0], names[0], names[1], names[1]], message
+    assert [(r["local_rank"], r["local_size"]) for r in reports] == [(0, 2), (1, 2)] * 2
+    assert [(r["cross_rank"], r["cross_size"]) for r in reports] == [(0, 2), (0, 2),
+                                                                     (1, 2), (1, 2)]
+    for report in reports:
+        assert report["allreduce_ok"] and report["allgather_ok"] and report["broadcast_ok"], (
+            message)
+    assert all(report["tcp_to_other_hosts"] > 0 for report in reports), message
+
+
+def test_losing_a_host_ends_the_job(hosts):
+    host_list, env, namespaces, entries = hosts
+    ready_dir = tempfile.mkdtemp(prefix="kdready-")
+    job = start_job([sys.executable, WORKER, "loop"], np=4,
+                    env={**env, "FAULT_READY_DIR": ready_dir}, kdrun_args=["-H", host_list])
+    deadline = time.monotonic() + 60
+    while (len(os.listdir(ready_dir)) < 4 and job.proc.poll() is None
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
+    shutil.rmtree(ready_dir, ignore_errors=True)
+    pids = subprocess.run(["ip", "netns", "pids", namespaces[1]], capture_output=True,
+                          text=True, timeout=30).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), 9)
+        except OSError:
+            pass
+    result = job.wait(45)
+    message = result.describe()
+    assert pids, message
+    assert result.returncode != 0 and not result.timed_out, message
+    # The first rank of the lost host seen to exit is named.
+    assert "ended without finishing" in result.launcher_stderr, message
+    assert "on " + entries[1][2] + ")" in result.launcher_stderr, message
+    assert result.leftovers == [], message
