@@ -14,6 +14,19 @@ they ended, see ``keras_dist._jobstatus``) and ``KERAS_DIST_TIMELINE`` when
 or died. Whatever happened, it leaves no process of the job running and
 removes the shared-memory files the job left in ``/dev/shm``.
 
+Failures kdrun handles beyond what mpiexec does: a rank that leaves with
+status 0 without finishing (hydra reports success), a rank that exits before
+MPI start-up while its peers wait for it there (hydra waits forever), and
+kdrun's own death (mpiexec is SIGKILLed with it). SIGINT/SIGTERM/SIGHUP are
+forwarded to mpiexec; ranks still running ``STOP_GRACE_SECONDS`` later, or at
+a second signal, are SIGKILLed. Exit status: mpiexec's, 128 + the signal when
+kdrun was signalled, 1 when kdrun found a failure mpiexec did not report.
+
+mpiexec's own settings still apply through its environment, e.g. hydra's
+``HYDRA_LAUNCHER`` / ``HYDRA_LAUNCHER_EXEC`` / ``HYDRA_IFACE`` to reach hosts
+without ssh (tests/faults/test_multihost.py runs hosts that are network
+namespaces this way).
+
 This process never imports mpi4py: an MPI-initialised launcher would itself
 leave MPICH's shared-memory segment behind.
 """
@@ -53,7 +66,7 @@ options:
 JOB_ID_ENV = "KERAS_DIST_JOB_ID"
 TIMELINE_ENV = "KERAS_DIST_TIMELINE"
 SHM_DIR = "/dev/shm"
-# Seconds the ranks get to stop after a forwarded SIGINT/SIGTERM, and after
+# Seconds the ranks get to stop after a forwarded SIGINT/SIGTERM/SIGHUP, and after
 # mpiexec itself has ended, before kdrun kills what is left.
 STOP_GRACE_SECONDS = 3.0
 _POLL_SECONDS = 0.05
@@ -484,7 +497,8 @@ def describe_failure(
             "status: the command may have failed before keras_dist.init()."
         )
         return lines
-    died = [statuses[rank] for rank in exit_order if statuses[rank] in unfinished][:1]
+    died = [statuses[rank] for rank in exit_order
+            if rank in statuses and statuses[rank] in unfinished][:1]
     if not errors:
         # The first local rank seen to exit is the one that died; without that
         # (ranks on other hosts) every unfinished rank is a suspect.
@@ -540,7 +554,8 @@ def launch(options: LaunchOptions) -> int:
     def on_signal(signum, frame):
         received.append(signum)
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, on_signal)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     local_names = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
     all_local = all(host in local_names for host, _ in options.hosts)
     watcher = _RankWatcher(status_dir, job_id, options.num_proc, all_local)

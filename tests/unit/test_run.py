@@ -249,6 +249,13 @@ def test_describe_dead_rank_uses_exit_order():
     ]
 
 
+def test_describe_exit_order_may_hold_ranks_without_status():
+    statuses = {0: _status(0), 1: _status(1)}
+    lines = run.describe_failure(statuses, 3, [2, 1, 0], 9)
+    assert lines[0].startswith("kdrun: rank 1 (pid 101 on h) ended without finishing")
+    assert lines[-1].startswith("kdrun: rank 2 never reported starting")
+
+
 def test_describe_dead_rank_without_exit_order_names_every_suspect():
     statuses = {0: _status(0, done=True), 1: _status(1), 2: _status(2)}
     lines = run.describe_failure(statuses, 3, [], 9)
