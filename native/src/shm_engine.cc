@@ -47,8 +47,9 @@ constexpr size_t kLine = 64;
 constexpr size_t kPage = 4096;
 // Messages up to this size go in one round (every rank reduces everything).
 constexpr size_t kSmallBytes = 32u << 10;
-// Chunk of the pipelined path: small enough that a chunk of every rank stays in cache.
-constexpr size_t kChunkBytes = 256u << 10;
+// Share of one rank in a chunk of the pipelined path: the chunks of all ranks
+// stay in the shared L3 cache, and each chunk costs two synchronisations.
+constexpr size_t kChunkBytes = 512u << 10;
 
 enum Kind : uint32_t { kAttach = 1, kBarrier, kAllreduce, kBroadcast, kAllgatherv };
 constexpr uint32_t kNone = 0xffffffffu;
@@ -344,7 +345,9 @@ void ShmEngine::wait_all() {
       if (iter < 200) {
         sched_yield();
       } else {
-        sleep_ns = std::min<long>(sleep_ns ? sleep_ns * 2 : 2000, 200000);
+        // Short naps while a peer is merely late; longer ones once it is clearly busy.
+        const long cap = now_seconds() - start < 1.0 ? 50000 : 1000000;
+        sleep_ns = std::min<long>(sleep_ns ? sleep_ns * 2 : 2000, cap);
         timespec ts{0, sleep_ns};
         nanosleep(&ts, nullptr);
       }

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from keras_dist import _dtypes
 
@@ -169,3 +171,23 @@ def test_bad_inputs_raise_clear_errors():
 
 def test_simd_level_names_a_family():
     assert _native.simd_level() in ("avx2", "baseline")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    code=st.sampled_from(list(DTYPES)),
+    op=st.sampled_from(list(OPS)),
+    size=st.integers(0, 3000),
+    nsrcs=st.integers(1, 6),
+    offset=st.integers(0, 7),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_reduce_many_property(code, op, size, nsrcs, offset, seed):
+    """Any dtype, op, length, source count and byte alignment: the sequential reference."""
+    dtype = DTYPES[code]
+    rng = np.random.default_rng(seed)
+    sources = [random_array(rng, dtype, size, op) for _ in range(nsrcs)]
+    raw = np.zeros(size * dtype.itemsize + offset, np.uint8)
+    dst = raw[offset:]
+    _native.reduce_many(dst, [s.view(np.uint8) for s in sources], code, op)
+    assert np.array_equal(dst, reference(sources, dtype, op).view(np.uint8))
