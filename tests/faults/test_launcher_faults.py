@@ -81,9 +81,12 @@ def test_exception_in_one_rank_ends_the_job(transport):
     _assert_clean_end(result)
 
 
-@pytest.mark.parametrize("mode", ["kill_barrier", "kill_allreduce"])
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_killed_rank_is_named(mode, transport):
+@pytest.mark.parametrize(
+    "transport, mode",
+    [("mpi", "kill_barrier"), ("mpi", "kill_allreduce"),
+     pytest.param("shm", "kill_allreduce", marks=TRANSPORTS[1].marks)],
+)
+def test_killed_rank_is_named(transport, mode):
     result = _fault(mode, transport)
     message = result.describe()
     assert result.returncode != 0, message
@@ -167,7 +170,7 @@ def test_kdrun_killed_takes_the_job_with_it():
 FIT_WORKER = str(Path(__file__).with_name("fit_worker.py"))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # TensorFlow start-up in every rank
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     "transport, kind, step",
