@@ -154,6 +154,12 @@ class ShmTransport(Transport):
         engine = self._engine
         if engine is None:
             raise errors.TransportError("shm transport is closed")
+        if self._cross is not None:
+            self._agree_across_machines(
+                "allreduce",
+                {"dtype": buf.dtype.name, "count": buf.size, "op": _dtypes.OP_NAMES.get(op, op),
+                 "name": name},
+            )
         try:
             # The engine takes any buffer of the dtype's item size; numpy cannot
             # export bfloat16 buffers, so those travel as bytes.
@@ -195,6 +201,10 @@ class ShmTransport(Transport):
         if engine is None:
             raise errors.TransportError("shm transport is closed")
         root_node, root_local = self._where[root]
+        if self._cross is not None:
+            self._agree_across_machines(
+                "broadcast", {"bytes": view.nbytes, "root": root, "name": name}
+            )
         try:
             if not self._hierarchical:
                 engine.broadcast(view, root_local, name)
@@ -223,6 +233,10 @@ class ShmTransport(Transport):
         if engine is None:
             raise errors.TransportError("shm transport is closed")
         send_bytes, recv_bytes = send.view(np.uint8), recv.view(np.uint8)
+        if self._cross is not None:
+            self._agree_across_machines(
+                "allgather", {"counts": tuple(byte_counts), "name": name}
+            )
         try:
             if not self._hierarchical:
                 engine.allgatherv(send_bytes, recv_bytes, byte_counts, name)
@@ -251,6 +265,8 @@ class ShmTransport(Transport):
         engine = self._engine
         if engine is None:
             raise errors.TransportError("shm transport is closed")
+        if self._cross is not None:
+            self._agree_across_machines("barrier", {})
         try:
             engine.barrier()
             if self._hierarchical:
@@ -259,6 +275,34 @@ class ShmTransport(Transport):
                 engine.barrier()
         except _NATIVE_ERRORS as exc:
             raise _translate(exc) from None
+
+    def _agree_across_machines(self, kind: str, fields: dict) -> None:
+        """Leaders only: compares this collective with the other machines' first.
+
+        Ranks inside a machine are compared by the engine; across machines the
+        leaders exchange what they were called with before any MPI call, so a
+        mismatch raises on every rank instead of hanging or mixing data.
+        """
+        mine = {"collective": kind, **fields}
+        everyone = self._cross.allgather(mine)
+        if all(other == mine for other in everyone):
+            return
+        keys = list(dict.fromkeys(k for other in everyone for k in other))
+        differing = [k for k in keys if any(o.get(k) != mine.get(k) for o in everyone)]
+        shown = differing if "collective" in differing else [k for k in keys if k != "collective"]
+        described = []
+        for machine, other in enumerate(everyone):
+            values = " ".join(
+                str(other[k]) if k == "collective" else
+                f"{k} {other[k]!r}" if k == "name" else f"{k} {other[k]}"
+                for k in shown if k in other
+            )
+            verb = "called" if "collective" in differing else "has"
+            described.append(f"rank {self._members[machine][0]} {verb} {values}".rstrip())
+        title = "collective" if "collective" in differing else kind
+        message = f"{title} mismatch between machines: " + ", ".join(described)
+        self._engine.abort_mismatch(message)
+        raise errors.CollectiveMismatchError(message)
 
     def scratch(self, nbytes: int) -> np.ndarray:
         """A view of this rank's next shared buffer when it fits (one machine only).

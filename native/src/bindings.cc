@@ -269,6 +269,9 @@ NB_MODULE(_native, m) {
       .def("attach", &kd::ShmEngine::attach, nb::call_guard<nb::gil_scoped_release>(),
            "Collective: waits for every local rank, then local rank 0 unlinks the name.")
       .def("unlink", &kd::ShmEngine::unlink, "Removes the segment's name (local rank 0).")
+      .def("abort_mismatch", &kd::ShmEngine::abort_mismatch, nb::arg("message"),
+           "Ends the engine: every local rank's current or next collective raises "
+           "CollectiveMismatchError(message).")
       .def("allreduce", &engine_allreduce, nb::arg("buf"), nb::arg("dtype"), nb::arg("op"),
            nb::arg("name") = nb::none())
       .def("broadcast", &engine_broadcast, nb::arg("buf"), nb::arg("root"),

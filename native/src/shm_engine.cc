@@ -135,7 +135,8 @@ struct SegmentLayout {
   uint64_t slot_bytes;
   uint64_t half_bytes;
   alignas(kLine) std::atomic<int32_t> abort_rank;  // -1: none
-  char abort_reason[256];
+  int32_t abort_is_mismatch;                        // the reason is a mismatch message
+  char abort_reason[1024];
 };
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
@@ -275,14 +276,27 @@ void ShmEngine::ensure_usable() {
   }
 }
 
-void ShmEngine::fail(const char* reason) {
+void ShmEngine::fail(const char* reason, bool mismatch) {
   broken_ = true;
   auto* seg = reinterpret_cast<SegmentLayout*>(base_);
   int32_t expected = -1;
   if (seg->abort_rank.compare_exchange_strong(expected, -2, std::memory_order_acq_rel)) {
     std::snprintf(seg->abort_reason, sizeof(seg->abort_reason), "%s", reason);
+    seg->abort_is_mismatch = mismatch ? 1 : 0;
     seg->abort_rank.store(me_, std::memory_order_release);
   }
+}
+
+void ShmEngine::abort_mismatch(const std::string& message) {
+  ensure_usable();
+  fail(message.c_str(), true);
+}
+
+void ShmEngine::raise_aborted(int32_t rank, const std::string& where) {
+  broken_ = true;
+  const auto* seg = reinterpret_cast<const SegmentLayout*>(base_);
+  if (seg->abort_is_mismatch) throw MismatchError(seg->abort_reason);
+  throw PeerFailureError(where + ": " + rank_label(rank) + " aborted: " + seg->abort_reason);
 }
 
 void ShmEngine::begin(uint32_t kind, uint32_t op, uint32_t dtype, int32_t root, uint64_t nbytes,
@@ -291,10 +305,7 @@ void ShmEngine::begin(uint32_t kind, uint32_t op, uint32_t dtype, int32_t root, 
   auto* seg = reinterpret_cast<SegmentLayout*>(base_);
   const int32_t aborted = seg->abort_rank.load(std::memory_order_acquire);
   if (aborted >= 0) {
-    broken_ = true;
-    throw PeerFailureError("shm " + std::string(kind_name(kind)) + " on " + rank_label(me_) +
-                           ": " + rank_label(aborted) + " aborted an earlier collective: " +
-                           seg->abort_reason);
+    raise_aborted(aborted, "shm " + std::string(kind_name(kind)) + " on " + rank_label(me_));
   }
   Header& h = ctl(me_)->hdr[coll_ & 1];
   h.coll = coll_;
@@ -352,10 +363,7 @@ void ShmEngine::wait_all() {
         nanosleep(&ts, nullptr);
       }
       const int32_t aborted = seg->abort_rank.load(std::memory_order_acquire);
-      if (aborted >= 0 && aborted != me_) {
-        throw PeerFailureError(current_collective() + ": " + rank_label(aborted) +
-                               " aborted: " + seg->abort_reason);
-      }
+      if (aborted >= 0 && aborted != me_) raise_aborted(aborted, current_collective());
       const double t = now_seconds();
       if (t < next_check) continue;
       next_check = t + 0.1;

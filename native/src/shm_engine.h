@@ -67,6 +67,10 @@ class ShmEngine {
   void attach();
   // Removes the name if it still exists (local rank 0; idempotent).
   void unlink();
+  // Ends the engine for every local rank: their current or next collective
+  // raises MismatchError(message). For mismatches found outside the engine
+  // (between machines); this rank raises its own error.
+  void abort_mismatch(const std::string& message);
 
   // `name` (optional) is part of what ranks must agree on; mismatch errors quote it.
   void allreduce(void* buf, size_t nbytes, DType dtype, Op op, std::string_view name = {});
@@ -95,7 +99,9 @@ class ShmEngine {
   void publish();
   void wait_all();
   void check_headers();
-  void fail(const char* reason);  // poisons the segment for every rank
+  // Poisons the segment: every rank's current or next wait raises.
+  void fail(const char* reason, bool mismatch = false);
+  [[noreturn]] void raise_aborted(int32_t rank, const std::string& where);
   void ensure_usable();
   std::string describe_missing(const std::vector<int>& missing) const;
   std::string rank_label(int local) const;

@@ -215,6 +215,21 @@ def mode_mismatch(args):
     transport.close()
 
 
+def mode_mismatch_machines(args):
+    """Machines that disagree: every rank raises, naming the machines' leaders."""
+    transport = make_transport(args)
+    machine = RANK // args.ranks_per_node
+    try:
+        transport.allreduce(np.ones(10 + machine, np.float32), _dtypes.SUM, name="grads")
+    except errors.CollectiveMismatchError as exc:
+        message = str(exc)
+        assert "allreduce mismatch between machines" in message, message
+        assert "rank 0 has" in message and "count 10" in message and "count 11" in message, message
+    else:
+        raise AssertionError("no mismatch error between machines")
+    transport.close()
+
+
 def mode_stall(args):
     transport = make_transport(args, stall_check_seconds=0.3, timeout_seconds=None)
     with warnings.catch_warnings(record=True) as caught:

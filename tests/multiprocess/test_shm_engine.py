@@ -73,6 +73,15 @@ def test_mismatch_raises_on_every_rank(nranks):
     assert done.stdout.count("OK mismatch") == nranks, output
 
 
+@pytest.mark.parametrize("nranks, per_machine", [(2, 1), (4, 2), (3, 2)])
+def test_mismatch_between_machines_raises_on_every_rank(nranks, per_machine):
+    done, output, _ = run_ranks(
+        nranks, "mismatch_machines", "--ranks-per-node", str(per_machine)
+    )
+    assert done.returncode == 0, output
+    assert done.stdout.count("OK mismatch_machines") == nranks, output
+
+
 @pytest.mark.parametrize("mode", ["stall", "timeout", "interrupt"])
 def test_stall_timeout_and_interrupt(mode):
     done, output, _ = run_ranks(2, mode)
