@@ -46,7 +46,7 @@ def run_ranks(nranks, mode, *extra, mpiexec_flags=(), timeout=180):
         (2, ()),
         (3, ()),
         (4, ()),
-        (3, ("--slot-bytes", "65536")),  # many chunks per message
+        (2, ("--slot-bytes", "65536")),  # many chunks per message
         (4, ("--ranks-per-node", "2")),  # two pretend machines
         (3, ("--ranks-per-node", "2")),  # uneven machines
     ],
@@ -58,7 +58,14 @@ def test_collectives_match_numpy(nranks, extra):
     assert not leftovers, f"segments left in /dev/shm: {leftovers}\n{output}"
 
 
-@pytest.mark.parametrize("nranks, extra", [(2, ()), (4, ()), (3, ("--ranks-per-node", "2"))])
+@pytest.mark.parametrize(
+    "nranks, extra",
+    [
+        (2, ()),  # 10,000 back-to-back small allreduces
+        (4, ("--repeat", "3000")),
+        (3, ("--ranks-per-node", "2", "--repeat", "2000")),
+    ],
+)
 def test_interleaved_and_many_small_collectives(nranks, extra):
     done, output, leftovers = run_ranks(nranks, "interleaved", *extra)
     assert done.returncode == 0, output
