@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import secrets
 import select
 import shutil
@@ -58,7 +59,7 @@ options:
   -H, --hosts LIST     hosts and slots, e.g. node1:2,node2:2 (default: this machine)
   --timeline PATH      write a Chrome-trace timeline of the collectives to PATH
   --output-dir DIR     write each rank's output to DIR/rank<r>.stdout and .stderr
-                       (MPICH; Open MPI uses its own --output-filename layout)
+                       (MPICH; Open MPI writes its own layout under DIR)
   --mpiexec PATH       the mpiexec to use (default: beside this Python, else on PATH)
   -h, --help           show this message
 """
@@ -167,7 +168,8 @@ def find_mpiexec() -> str | None:
 
 
 def mpi_flavor(mpiexec: str) -> str:
-    """``"openmpi"`` or ``"mpich"`` (hydra, also Intel MPI), from ``mpiexec --version``."""
+    """From ``mpiexec --version``: ``"openmpi5"`` (Open MPI 5 and later),
+    ``"openmpi"`` (earlier Open MPI) or ``"mpich"`` (hydra, also Intel MPI)."""
     try:
         result = subprocess.run(
             [mpiexec, "--version"], capture_output=True, text=True, timeout=30,
@@ -177,7 +179,8 @@ def mpi_flavor(mpiexec: str) -> str:
     except (OSError, subprocess.TimeoutExpired):
         text = ""
     if "Open MPI" in text or "OpenRTE" in text or "open-mpi" in text:
-        return "openmpi"
+        match = re.search(r"\(Open MPI\) (\d+)\.", text)
+        return "openmpi5" if match and int(match.group(1)) >= 5 else "openmpi"
     return "mpich"
 
 
@@ -186,7 +189,7 @@ def build_command(
 ) -> list[str]:
     """The mpiexec command line that runs ``options.command`` with ``job_env`` set."""
     args = [mpiexec]
-    if flavor == "openmpi":
+    if flavor.startswith("openmpi"):
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             args.append("--allow-run-as-root")
         args.append("--oversubscribe")
@@ -194,7 +197,9 @@ def build_command(
             args += ["-H", ",".join(f"{host}:{slots}" for host, slots in options.hosts)]
         for name, value in job_env.items():
             args += ["-x", f"{name}={value}"]
-        if options.output_dir:
+        if options.output_dir and flavor == "openmpi5":
+            args += ["--output", f"dir={options.output_dir}"]
+        elif options.output_dir:
             args += ["--output-filename", options.output_dir]
         args += ["-np", str(options.num_proc)]
     else:
@@ -545,7 +550,7 @@ def launch(options: LaunchOptions) -> int:
     if options.timeline:
         job_env[TIMELINE_ENV] = options.timeline
     env = dict(os.environ, **job_env)
-    if flavor == "openmpi" and os.geteuid() == 0:
+    if flavor.startswith("openmpi") and os.geteuid() == 0:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     shm_before = shm_snapshot()

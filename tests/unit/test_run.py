@@ -115,6 +115,13 @@ def test_openmpi_command():
     assert args[-4:] == ["-np", "2", "python", "x.py"]
 
 
+def test_openmpi_output_dir():
+    options = run.parse_args(["-np", "2", "--output-dir", "/o", "python"])
+    assert "--output-filename" in run.build_command("mpirun", "openmpi", options, {})
+    args = run.build_command("mpirun", "openmpi5", options, {})
+    assert args[args.index("--output") + 1] == "dir=/o"
+
+
 def _fake_mpiexec(tmp_path, version_text):
     path = tmp_path / "mpiexec"
     path.write_text(f"#!/bin/sh\necho '{version_text}'\n")
@@ -126,7 +133,8 @@ def _fake_mpiexec(tmp_path, version_text):
     "text, flavor",
     [
         ("mpiexec (OpenRTE) 4.1.2", "openmpi"),
-        ("mpirun (Open MPI) 5.0.3", "openmpi"),
+        ("mpirun (Open MPI) 4.1.6", "openmpi"),
+        ("mpiexec (Open MPI) 5.0.11", "openmpi5"),
         ("HYDRA build details:\n    Version: 5.0.2", "mpich"),
         ("Intel(R) MPI Library for Linux* OS, Version 2021.10", "mpich"),
     ],
