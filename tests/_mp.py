@@ -214,11 +214,10 @@ class RunningJob:
         self.proc.send_signal(signum)
 
     def wait(self, timeout: float) -> JobResult:
-        """Waits up to ``timeout`` s for kdrun, killing the whole job past it."""
+        """Waits up to ``timeout`` s (from now) for kdrun, killing the whole job past it."""
         timed_out = False
         try:
-            returncode = self.proc.wait(timeout=max(timeout - (time.monotonic() - self._start),
-                                                    0.01))
+            returncode = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
             self.proc.send_signal(signal.SIGTERM)
