@@ -47,7 +47,7 @@ LOCAL_BATCH = GLOBAL_BATCH // SIZE
 
 
 def make_data():
-    """Random inputs, labels from a random linear teacher plus noise (seeded: same on every rank)."""
+    """Random inputs; labels from a random linear teacher plus noise (seeded: same on all ranks)."""
     rng = np.random.default_rng(2024)
     x = rng.normal(size=(SAMPLES, FEATURES)).astype("float32")
     teacher = rng.normal(size=(FEATURES, CLASSES))
