@@ -488,10 +488,30 @@ def _parent_pid(pid: int) -> int | None:
 
 def describe_failure(
     statuses: dict[int, _jobstatus.RankStatus], num_proc: int, exit_order: list[int],
-    returncode: int,
+    returncode: int, exited_before_init: dict[int, int] | None = None,
 ) -> list[str]:
-    """kdrun's lines explaining a failed job, one per failed rank."""
+    """kdrun's lines explaining a failed job, one per failed rank.
+
+    Args:
+        statuses: what the ranks reported (``_jobstatus.read_status``).
+        num_proc: the job's number of ranks.
+        exit_order: ranks in the order their processes were seen to exit.
+        returncode: mpiexec's exit status.
+        exited_before_init: ``{rank: pid}`` of rank processes seen to exit
+            before they reported starting.
+    """
     lines = []
+    exited_before_init = exited_before_init or {}
+    first = exit_order[0] if exit_order else None
+    died_before_init = first is not None and first not in statuses and (
+        first in exited_before_init)
+    if died_before_init:
+        lines.append(
+            f"kdrun: rank {first} (pid {exited_before_init[first]}) ended before "
+            "keras_dist.init() finished: killed by a signal or exited early"
+        )
+        if not statuses:
+            return lines
     errors = [status for status in statuses.values() if status.error is not None]
     unfinished = [s for s in statuses.values() if s.started and not s.done and s.error is None]
     for status in errors:
@@ -504,7 +524,7 @@ def describe_failure(
         return lines
     died = [statuses[rank] for rank in exit_order
             if rank in statuses and statuses[rank] in unfinished][:1]
-    if not errors:
+    if not errors and not died_before_init:
         # The first local rank seen to exit is the one that died; without that
         # (ranks on other hosts) every unfinished rank is a suspect.
         for status in died or unfinished:
@@ -512,12 +532,14 @@ def describe_failure(
                 f"kdrun: {status.describe()} ended without finishing: "
                 "killed by a signal or exited early"
             )
-    stopped = [s.rank for s in unfinished if errors or (died and s is not died[0])]
+    stopped = [s.rank for s in unfinished
+               if errors or died_before_init or (died and s is not died[0])]
     if stopped:
         ranks = ", ".join(str(rank) for rank in stopped)
         lines.append(f"kdrun: rank{'s' if len(stopped) > 1 else ''} {ranks} "
                      "stopped when the job ended.")
-    missing = [rank for rank in range(num_proc) if rank not in statuses]
+    missing = [rank for rank in range(num_proc)
+               if rank not in statuses and not (died_before_init and rank == first)]
     if missing:
         ranks = ", ".join(str(rank) for rank in missing)
         lines.append(f"kdrun: rank{'s' if len(missing) > 1 else ''} {ranks} never reported "
@@ -594,8 +616,9 @@ def launch(options: LaunchOptions) -> int:
         if returncode > 128 and proc.returncode < 0:
             _say(f"kdrun: mpiexec was killed by {signal.Signals(-proc.returncode).name}.")
         elif returncode != 0:
+            before_init = {rank: pid for rank, (pid, _) in watcher.exited_before_init.items()}
             for line in describe_failure(statuses, options.num_proc, watcher.exit_order,
-                                         returncode):
+                                         returncode, before_init):
                 _say(line)
         return returncode
     finally:

@@ -39,6 +39,7 @@ model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="
                           keras.layers.Dense(1, activation="sigmoid")])
 model.compile(optimizer=kd.DistributedOptimizer(keras.optimizers.SGD(0.05)),
               loss="binary_crossentropy")
-model.fit(x, y, batch_size=32, epochs=3, verbose=0,
+print("FITTING", kd.rank(), flush=True)
+model.fit(x, y, batch_size=32, epochs=int(os.environ.get("FIT_EPOCHS", "3")), verbose=0,
           callbacks=[kd.callbacks.BroadcastGlobalVariablesCallback(0), InjectFault()])
 print("FINISHED", kd.rank(), flush=True)

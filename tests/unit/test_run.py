@@ -264,6 +264,19 @@ def test_describe_exit_order_may_hold_ranks_without_status():
     assert lines[-1].startswith("kdrun: rank 2 never reported starting")
 
 
+def test_describe_rank_that_died_before_init():
+    lines = run.describe_failure({}, 3, [2, 0, 1], 9, {2: 4242, 0: 4240, 1: 4241})
+    assert lines == ["kdrun: rank 2 (pid 4242) ended before keras_dist.init() finished: "
+                     "killed by a signal or exited early"]
+    lines = run.describe_failure({0: _status(0)}, 3, [2, 0], 9, {2: 4242})
+    assert lines == [
+        "kdrun: rank 2 (pid 4242) ended before keras_dist.init() finished: "
+        "killed by a signal or exited early",
+        "kdrun: rank 0 stopped when the job ended.",
+        "kdrun: rank 1 never reported starting (failed or stopped before keras_dist.init()).",
+    ]
+
+
 def test_describe_dead_rank_without_exit_order_names_every_suspect():
     statuses = {0: _status(0, done=True), 1: _status(1), 2: _status(2)}
     lines = run.describe_failure(statuses, 3, [], 9)
