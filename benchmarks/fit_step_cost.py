@@ -17,8 +17,8 @@ timeline gives the duration of every gradient allreduce on rank 0 (the
 ``allreduce`` events: fusion pack, the transport, unpack, including any wait
 for the other rank; not TensorFlow's hand-over through ``tf.numpy_function``).
 The first ``--warmup`` steps and allreduces are dropped; each run gives
-medians; the table shows the median over repeats of those medians, then each
-run's values. "vs 1 rank" is the step time minus the 1-rank step time: all a
+medians (and 10th percentiles, p10); the table shows the median over repeats
+of those, then each run's values. "vs 1 rank" is the step time minus the 1-rank step time: all a
 step at 2 ranks costs over one at 1 rank (the allreduce, the host-call
 hand-over, waiting for the slower rank, and two ranks sharing the machine).
 
@@ -144,10 +144,17 @@ def run_one(args, np_, transport, scratch, index):
         sys.exit(f"expected {args.steps} gradient allreduces after warm-up, found {len(reduce_s)}")
     return {
         "step": statistics.median(steps),
+        "step_p10": decile(steps),
         "reduce": statistics.median(reduce_s) if reduce_s else None,
+        "reduce_p10": decile(reduce_s) if reduce_s else None,
         "bytes": max(nbytes) if nbytes else 0,
         "params": measured["params"],
     }
+
+
+def decile(values):
+    """The 10th percentile: what a step costs when nothing else on the machine interferes."""
+    return sorted(values)[len(values) // 10]
 
 
 def ms(seconds):
@@ -188,7 +195,8 @@ def main():
         f"steps; medians over {args.repeats} runs of per-run medians",
         "",
         f"{'transport':<15} {'ranks':>5} {'step ms':>8} {'allreduce ms':>12} "
-        f"{'bytes/step':>10} {'of step':>7} {'vs 1 rank ms':>12}",
+        f"{'bytes/step':>10} {'of step':>7} {'vs 1 rank ms':>12} {'step p10':>8} "
+        f"{'allreduce p10':>13}",
     ]
     base = statistics.median(r["step"] for r in runs[CONFIGS[0][0]])
     for name, np_, _ in CONFIGS:
@@ -197,9 +205,14 @@ def main():
         reduce = statistics.median(reduces) if reduces else None
         fraction = "-" if reduce is None else f"{100 * reduce / step:.0f}%"
         extra = "-" if np_ == 1 else f"{(step - base) * 1e3:+.2f}"
+        step_p10 = statistics.median(r["step_p10"] for r in runs[name])
+        reduce_p10 = (statistics.median(r["reduce_p10"] for r in runs[name])
+                      if reduce is not None else None)
         lines.append(f"{name:<15} {np_:>5} {ms(step):>8} {ms(reduce):>12} "
-                     f"{runs[name][0]['bytes'] if np_ > 1 else 0:>10} {fraction:>7} {extra:>12}")
-    lines += ["", "per run (step ms / allreduce ms):"]
+                     f"{runs[name][0]['bytes'] if np_ > 1 else 0:>10} {fraction:>7} {extra:>12} "
+                     f"{ms(step_p10):>8} {ms(reduce_p10):>13}")
+    lines += ["", "p10: 10th percentile of a run's steps (least disturbed by other jobs), "
+              "median over runs", "per run (step median / allreduce median ms):"]
     for name, _, _ in CONFIGS:
         lines.append(f"  {name:<15} " + ", ".join(f"{ms(r['step'])} / {ms(r['reduce'])}"
                                                   for r in runs[name]))
