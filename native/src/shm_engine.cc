@@ -18,14 +18,17 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
+#include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -134,6 +137,7 @@ struct SegmentLayout {
   uint64_t local_size;
   uint64_t slot_bytes;
   uint64_t half_bytes;
+  alignas(kLine) std::atomic<uint32_t> sleepers;  // ranks blocked in futex_wait
   alignas(kLine) std::atomic<int32_t> abort_rank;  // -1: none
   int32_t abort_is_mismatch;                        // the reason is a mismatch message
   char abort_reason[1024];
@@ -141,6 +145,21 @@ struct SegmentLayout {
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
 static_assert(std::atomic<int32_t>::is_always_lock_free, "need lock-free 32-bit atomics");
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "futex waits on the low half of a step");
+
+namespace {
+// The low 32 bits of a step counter: what a futex can wait on.
+uint32_t* futex_word(std::atomic<uint64_t>& step) { return reinterpret_cast<uint32_t*>(&step); }
+
+void futex_wait(std::atomic<uint64_t>& step, uint32_t expected, long timeout_ns) {
+  timespec ts{0, timeout_ns};
+  syscall(SYS_futex, futex_word(step), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint64_t>& step) {
+  syscall(SYS_futex, futex_word(step), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+}  // namespace
 
 ShmEngine::ShmEngine(const EngineOptions& options, EngineHooks hooks)
     : opt_(options), hooks_(std::move(hooks)), me_(options.local_rank),
@@ -320,7 +339,15 @@ void ShmEngine::begin(uint32_t kind, uint32_t op, uint32_t dtype, int32_t root, 
   ++coll_;
 }
 
-void ShmEngine::publish() { ctl(me_)->step.store(++step_, std::memory_order_release); }
+void ShmEngine::publish() {
+  // seq_cst store then load, paired with the waiter's increment-then-recheck:
+  // either the waiter sees the new step or this rank sees the sleeper.
+  std::atomic<uint64_t>& step = ctl(me_)->step;
+  step.store(++step_, std::memory_order_seq_cst);
+  if (reinterpret_cast<SegmentLayout*>(base_)->sleepers.load(std::memory_order_seq_cst) != 0) {
+    futex_wake_all(step);
+  }
+}
 
 std::string ShmEngine::describe_missing(const std::vector<int>& missing) const {
   std::string out;
@@ -348,19 +375,25 @@ void ShmEngine::wait_all() {
   const double start = now_seconds();
   double next_check = start + 0.1;
   double next_stall = opt_.stall_seconds > 0 ? start + opt_.stall_seconds : 1e300;
-  long sleep_ns = 0;
   auto* seg = reinterpret_cast<SegmentLayout*>(base_);
   try {
     for (uint64_t iter = 0;; ++iter) {
       if (all_arrived()) return;
-      if (iter < 200) {
+      if (iter < 50) {
         sched_yield();
       } else {
-        // Short naps while a peer is merely late; longer ones once it is clearly busy.
-        const long cap = now_seconds() - start < 1.0 ? 50000 : 1000000;
-        sleep_ns = std::min<long>(sleep_ns ? sleep_ns * 2 : 2000, cap);
-        timespec ts{0, sleep_ns};
-        nanosleep(&ts, nullptr);
+        // Block until the first missing peer publishes (it wakes sleepers), or
+        // 5 ms pass, so that liveness, abort and time limits are still checked.
+        int missing = 0;
+        while (missing < n_ && (missing == me_ || arrived(missing))) ++missing;
+        if (missing == n_) continue;
+        std::atomic<uint64_t>& step = ctl(missing)->step;
+        const uint64_t seen = step.load(std::memory_order_acquire);
+        if (seen < target) {
+          seg->sleepers.fetch_add(1, std::memory_order_seq_cst);
+          if (step.load(std::memory_order_seq_cst) == seen) futex_wait(step, uint32_t(seen), 5000000);
+          seg->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+        }
       }
       const int32_t aborted = seg->abort_rank.load(std::memory_order_acquire);
       if (aborted >= 0 && aborted != me_) raise_aborted(aborted, current_collective());
