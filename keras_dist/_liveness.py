@@ -17,6 +17,8 @@ from collections.abc import Callable
 from keras_dist.errors import CollectiveTimeoutError, PeerFailureError, StallWarning
 
 _LIVENESS_PERIOD_S = 0.2
+_SPIN_POLLS = 2000
+_YIELD_POLLS = 20000
 
 
 def process_alive(pid: int) -> bool:
@@ -55,16 +57,18 @@ class Waiter:
 
     def wait(self, test: Callable[[], bool], what: str) -> None:
         """Returns once ``test()`` is true; ``what`` names the collective in messages."""
-        for _ in range(200):  # a short spin: most small collectives end here
-            if test():
-                return
+        if test():
+            return
         start = time.monotonic()
         next_liveness = start + _LIVENESS_PERIOD_S
         warned = False
-        pause = 1e-5
+        polls = 0
         while not test():
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            # Spin first (small collectives end within microseconds), then
+            # yield the core, then sleep: ranks may outnumber cores.
+            polls += 1
+            if polls > _SPIN_POLLS:
+                time.sleep(0 if polls < _YIELD_POLLS else 2e-4)
             now = time.monotonic()
             if now >= next_liveness:
                 next_liveness = now + _LIVENESS_PERIOD_S
