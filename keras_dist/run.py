@@ -73,7 +73,7 @@ STOP_GRACE_SECONDS = 3.0
 _POLL_SECONDS = 0.05
 # Shared-memory files of MPI runtimes (MPICH, UCX, Open MPI) that a killed job
 # leaves in /dev/shm.
-MPI_SHM_PREFIXES = ("mpich_shm_", "ucx_shm_posix_", "vader_segment.", "sm_segment.")
+MPI_SHM_PREFIXES = ("mpich_", "ucx_shm_posix_", "vader_segment.", "sm_segment.")
 # Seconds ranks may stay in MPI start-up after a peer exited before init()
 # (hydra never stops such a job) before kdrun stops it.
 INIT_GRACE_SECONDS = 5.0
@@ -239,7 +239,7 @@ def find_job_processes(name: str, value: str) -> list[int]:
 def kill_job_processes(job_id: str) -> int:
     """SIGKILLs every process carrying the job id; returns how many were found."""
     total = 0
-    for _ in range(20):
+    for _ in range(200):  # 10 s: a SIGKILLed process with a large memory takes a while
         pids = find_job_processes(JOB_ID_ENV, job_id)
         if not pids:
             break
@@ -262,7 +262,11 @@ def shm_snapshot() -> dict[str, int]:
 
 
 def _shm_in_use() -> set[str]:
-    """Names of /dev/shm files that a live process maps or holds open."""
+    """Names of /dev/shm files that a live process maps or holds open.
+
+    A process with no memory map left is exiting (the kernel drops a dying
+    process's memory before its files): its open files do not count.
+    """
     used = set()
     prefix = SHM_DIR + "/"
     for entry in os.listdir("/proc"):
@@ -270,12 +274,15 @@ def _shm_in_use() -> set[str]:
             continue
         try:
             with open(f"/proc/{entry}/maps", encoding="utf-8", errors="replace") as handle:
-                for line in handle:
-                    at = line.find(prefix)
-                    if at >= 0:
-                        used.add(line[at + len(prefix):].strip().split(" ")[0])
+                maps = handle.read()
         except OSError:
-            pass
+            continue
+        if not maps:
+            continue
+        for line in maps.splitlines():
+            at = line.find(prefix)
+            if at >= 0:
+                used.add(line[at + len(prefix):].strip().split(" ")[0])
         try:
             for fd in os.listdir(f"/proc/{entry}/fd"):
                 target = os.readlink(f"/proc/{entry}/fd/{fd}")
@@ -291,7 +298,7 @@ def cleanup_shm(job_id: str, before: dict[str, int]) -> list[str]:
 
     That is: files of this user whose name holds the job id (keras_dist's own
     segments), and MPI runtimes' files (``MPI_SHM_PREFIXES``: MPICH's
-    ``mpich_shm_*`` among them) that appeared since the job started and that
+    ``mpich_shm_*`` and ``mpich_shar_tmp*``) that appeared since the job started and that
     no live process maps or holds open. Returns the names removed.
     """
     uid = os.geteuid()
@@ -369,6 +376,7 @@ class _RankWatcher:
         self._watched: set[int] = set()  # pids
         self._next_scan = 0.0
         self.statuses: dict[int, _jobstatus.RankStatus] = {}
+        #: Ranks in the order their processes exited while no rank had reported an error.
         self.exit_order: list[int] = []
         #: rank -> (pid, monotonic time) of rank processes that exited before init().
         self.exited_before_init: dict[int, tuple[int, float]] = {}
@@ -430,9 +438,10 @@ class _RankWatcher:
     def _record_exit(self, rank: int, pid: int) -> None:
         if self.alive.get(rank) == pid:
             del self.alive[rank]
-        if rank not in self.exit_order:
-            self.exit_order.append(rank)
         self._read_status()
+        no_error_yet = all(status.error is None for status in self.statuses.values())
+        if rank not in self.exit_order and no_error_yet:
+            self.exit_order.append(rank)
         if rank not in self.statuses:
             self.exited_before_init.setdefault(rank, (pid, time.monotonic()))
 
@@ -486,6 +495,10 @@ def _parent_pid(pid: int) -> int | None:
         return None
 
 
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
 def describe_failure(
     statuses: dict[int, _jobstatus.RankStatus], num_proc: int, exit_order: list[int],
     returncode: int, exited_before_init: dict[int, int] | None = None,
@@ -495,7 +508,10 @@ def describe_failure(
     Args:
         statuses: what the ranks reported (``_jobstatus.read_status``).
         num_proc: the job's number of ranks.
-        exit_order: ranks in the order their processes were seen to exit.
+        exit_order: ranks in the order their processes were seen to exit
+            while no rank had yet reported an exception. The first of them
+            that did not finish is the one that died: the others were
+            stopped after it (by mpiexec, or by an error raised because of it).
         returncode: mpiexec's exit status.
         exited_before_init: ``{rank: pid}`` of rank processes seen to exit
             before they reported starting.
@@ -510,40 +526,36 @@ def describe_failure(
             f"kdrun: rank {first} (pid {exited_before_init[first]}) ended before "
             "keras_dist.init() finished: killed by a signal or exited early"
         )
-        if not statuses:
-            return lines
+    if not statuses:
+        if not lines:
+            lines.append(
+                f"kdrun: the job failed (mpiexec exit code {returncode}) and no rank reported "
+                "its status: the command may have failed before keras_dist.init()."
+            )
+        return lines
     errors = [status for status in statuses.values() if status.error is not None]
     unfinished = [s for s in statuses.values() if s.started and not s.done and s.error is None]
+    died = [] if died_before_init else [
+        statuses[rank] for rank in exit_order if rank in statuses and statuses[rank] in unfinished
+    ][:1]
+    if not died and not errors and not died_before_init:
+        # No exit was seen (ranks on other hosts): every unfinished rank is a suspect.
+        died = unfinished
+    for status in died:
+        lines.append(
+            f"kdrun: {status.describe()} ended without finishing: "
+            "killed by a signal or exited early"
+        )
     for status in errors:
         lines.append(f"kdrun: {status.describe()} raised an exception: {status.error_summary}")
-    if not statuses:
-        lines.append(
-            f"kdrun: the job failed (mpiexec exit code {returncode}) and no rank reported its "
-            "status: the command may have failed before keras_dist.init()."
-        )
-        return lines
-    died = [statuses[rank] for rank in exit_order
-            if rank in statuses and statuses[rank] in unfinished][:1]
-    if not errors and not died_before_init:
-        # The first local rank seen to exit is the one that died; without that
-        # (ranks on other hosts) every unfinished rank is a suspect.
-        for status in died or unfinished:
-            lines.append(
-                f"kdrun: {status.describe()} ended without finishing: "
-                "killed by a signal or exited early"
-            )
-    stopped = [s.rank for s in unfinished
-               if errors or died_before_init or (died and s is not died[0])]
+    stopped = [s.rank for s in unfinished if s not in died]
     if stopped:
-        ranks = ", ".join(str(rank) for rank in stopped)
-        lines.append(f"kdrun: rank{'s' if len(stopped) > 1 else ''} {ranks} "
-                     "stopped when the job ended.")
+        lines.append(f"kdrun: {_ranks(stopped)} stopped when the job ended.")
     missing = [rank for rank in range(num_proc)
                if rank not in statuses and not (died_before_init and rank == first)]
     if missing:
-        ranks = ", ".join(str(rank) for rank in missing)
-        lines.append(f"kdrun: rank{'s' if len(missing) > 1 else ''} {ranks} never reported "
-                     "starting (failed or stopped before keras_dist.init()).")
+        lines.append(f"kdrun: {_ranks(missing)} never reported starting "
+                     "(failed or stopped before keras_dist.init()).")
     return lines
 
 

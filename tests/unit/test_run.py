@@ -247,6 +247,22 @@ def test_describe_exception():
     ]
 
 
+def test_describe_dead_rank_comes_before_the_errors_its_death_caused():
+    statuses = {
+        0: _status(0, error="PeerFailureError: rank 1 died during allreduce\n"),
+        1: _status(1),
+        2: _status(2),
+    }
+    lines = run.describe_failure(statuses, 3, [1], 9)
+    assert lines == [
+        "kdrun: rank 1 (pid 101 on h) ended without finishing: "
+        "killed by a signal or exited early",
+        "kdrun: rank 0 (pid 100 on h) raised an exception: "
+        "PeerFailureError: rank 1 died during allreduce",
+        "kdrun: rank 2 stopped when the job ended.",
+    ]
+
+
 def test_describe_dead_rank_uses_exit_order():
     statuses = {r: _status(r) for r in range(3)}
     lines = run.describe_failure(statuses, 3, [2, 0, 1], 9)
