@@ -225,6 +225,51 @@ def _check_dtypes(arrays: Sequence[np.ndarray], collective: str) -> None:
 # Numpy cores: flat buffers through the transport.
 
 
+def _is_float(dtype: np.dtype) -> bool:
+    return np.issubdtype(dtype, np.floating) or _dtypes.is_half(dtype)
+
+
+def _check_allreduce_inputs(arrays: Sequence[np.ndarray], prescale: float,
+                            postscale: float) -> None:
+    _check_dtypes(arrays, "allreduce")
+    if prescale == 1.0 and postscale == 1.0:
+        return
+    for array in arrays:
+        if not _is_float(array.dtype):
+            raise TypeError(
+                "`prescale_factor` and `postscale_factor` apply to floating-point values only. "
+                f"Received: dtype={array.dtype.name}, prescale_factor={prescale}, "
+                f"postscale_factor={postscale}"
+            )
+
+
+def _allreduce_numpy(x: np.ndarray, op: ReduceOp, prescale: float, postscale: float,
+                     name: str) -> np.ndarray:
+    """``allreduce`` of one numpy array: reduced in its fresh output, no fusion."""
+    group = _context.get()
+    _check_allreduce_inputs([x], prescale, postscale)
+    if group.size == 1:
+        return x if prescale * postscale == 1.0 else x * (prescale * postscale)
+    out = np.empty(x.shape, x.dtype)
+    if prescale == 1.0:
+        np.copyto(out, x)
+    else:
+        np.multiply(x, prescale, out=out, casting="unsafe")
+    if out.size:
+        with timeline.activity(name, "allreduce", out.nbytes):
+            group.transport.allreduce(out.reshape(-1), _TRANSPORT_OPS[op],
+                                      name=f"{name} {op.value} " + _describe(
+                                          ((x.shape, x.dtype.str),), 1))
+        COUNTERS["allreduce"] += 1
+    if op is ReduceOp.AVERAGE and not _is_float(x.dtype):
+        np.floor_divide(out, group.size, out=out)
+    else:
+        scale = postscale / group.size if op is ReduceOp.AVERAGE else postscale
+        if scale != 1.0:
+            np.multiply(out, scale, out=out, casting="unsafe")
+    return out
+
+
 @functools.lru_cache(maxsize=256)
 def _describe(members: tuple, group_length: int) -> str:
     """Text naming a bucket's shapes and dtypes (cached: steps repeat the same ones)."""
@@ -235,15 +280,7 @@ def _describe(members: tuple, group_length: int) -> str:
 def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
                       postscale: float, name: str) -> list[np.ndarray]:
     group = _context.get()
-    _check_dtypes(arrays, "allreduce")
-    for array in arrays:
-        if (prescale != 1.0 or postscale != 1.0) and not np.issubdtype(array.dtype, np.floating) \
-                and not _dtypes.is_half(array.dtype):
-            raise TypeError(
-                "`prescale_factor` and `postscale_factor` apply to floating-point values only. "
-                f"Received: dtype={array.dtype.name}, prescale_factor={prescale}, "
-                f"postscale_factor={postscale}"
-            )
+    _check_allreduce_inputs(arrays, prescale, postscale)
     if group.size == 1:
         if prescale * postscale == 1.0:
             return arrays
@@ -262,8 +299,7 @@ def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
                 tuple((a.shape, a.dtype.str) for a in members), len(arrays)))
             COUNTERS["allreduce"] += 1
             # ``flat`` may be shared memory that peers still read: only read it now.
-            if op is ReduceOp.AVERAGE and not np.issubdtype(dtype, np.floating) \
-                    and not _dtypes.is_half(dtype):
+            if op is ReduceOp.AVERAGE and not _is_float(dtype):
                 results = fusion.unpack(flat, members)
                 for result in results:
                     np.floor_divide(result, group.size, out=result)
@@ -358,6 +394,9 @@ def allreduce(x, op: ReduceOp = Average, name: str | None = None, prescale_facto
     Returns:
         The reduced value, of the same kind, dtype and shape as ``x``.
     """
+    if type(x) is np.ndarray and compression is Compression.none:
+        return _allreduce_numpy(x, _check_op(op), float(prescale_factor),
+                                float(postscale_factor), name or "allreduce")
     return grouped_allreduce([x], op=op, name=name, prescale_factor=prescale_factor,
                              postscale_factor=postscale_factor, compression=compression)[0]
 

@@ -47,12 +47,19 @@ def stop_timeline() -> None:
         _file = None
 
 
-@contextlib.contextmanager
+_IDLE = contextlib.nullcontext()
+
+
 def activity(name: str, kind: str, nbytes: int):
-    """Records the time spent in the ``with`` block as one event."""
-    if _file is None:
-        yield
-        return
+    """A context manager recording the time spent in its block as one event.
+
+    Without a timeline it is a shared no-op, so collectives pay nothing.
+    """
+    return _IDLE if _file is None else _timed(name, kind, nbytes)
+
+
+@contextlib.contextmanager
+def _timed(name: str, kind: str, nbytes: int):
     start = time.perf_counter_ns()
     try:
         yield
