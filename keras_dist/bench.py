@@ -5,7 +5,9 @@
 
 For each size from ``-b`` to ``-e`` (multiplying by ``-f``) rank 0 prints
 nccl-tests' columns ``size count type redop time algbw busbw #wrong`` for the
-out-of-place public call (``kd.allreduce(x, op=...)`` returns a new array),
+out-of-place public call (``kd.allreduce(x, op=...)`` returns a new array;
+with ``--inplace``, the transport reducing a preallocated buffer in place
+against ``MPI_IN_PLACE``),
 plus ``%mem``: the row's bus bandwidth as a percentage of the memory-copy
 bandwidth two processes get when both copy at once, measured in the same run.
 With ``--vs mpi`` the same columns follow for mpi4py on the same data in the
@@ -141,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="broadcast root; default 0")
     parser.add_argument("--mem-bytes", type=_size_arg, default=parse_size("256M"),
                         help="buffer each rank copies to measure memory bandwidth; default 256M")
+    parser.add_argument("--inplace", action="store_true",
+                        help="allreduce only: time the transport reducing a preallocated "
+                             "buffer in place (the engine itself) against MPI_IN_PLACE, "
+                             "instead of the out-of-place public kd.allreduce")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                         help="check results against a float64 reference (default: on)")
     return parser
@@ -156,6 +162,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"-f must be >= 2 when -b < -e. Received: -f {args.stepfactor}")
     if args.op != "sum" and args.collective != "allreduce":
         parser.error(f"--op applies to allreduce only. Received: {args.collective} --op {args.op}")
+    if args.inplace and (args.collective != "allreduce" or args.dtype == "bfloat16"):
+        parser.error("--inplace applies to allreduce of a dtype MPI has (not bfloat16). "
+                     f"Received: {args.collective} --dtype {args.dtype}")
     return args
 
 
@@ -415,6 +424,26 @@ class _Case:
         mpi_op = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}[args.op]
         kd_op = {"sum": kd.Sum, "min": kd.Min, "max": kd.Max, "product": kd.Product}[args.op]
         x = self.input
+        if collective == "allreduce" and args.inplace:
+            # Both sides reduce a preallocated buffer in place: the transport
+            # (the native engine, or keras_dist's MPI transport) against MPI itself.
+            from keras_dist import _dtypes
+
+            transport = kd._get().transport
+            code = {"sum": _dtypes.SUM, "min": _dtypes.MIN, "max": _dtypes.MAX,
+                    "product": _dtypes.PRODUCT}[args.op]
+            self.kd_buf, self.mpi_recv = x.copy(), x.copy()
+
+            def kd_call():
+                transport.allreduce(self.kd_buf, code)
+                return self.kd_buf
+
+            def mpi_call():
+                comm.Allreduce(MPI.IN_PLACE, self.mpi_recv, op=mpi_op)
+                return self.mpi_recv
+
+            self.kd_call, self.mpi_call = kd_call, mpi_call
+            return
         if collective == "allreduce":
             self.kd_call = lambda: kd.allreduce(x, op=kd_op)
             if args.dtype == "bfloat16":  # no MPI datatype: travel as float32
@@ -467,8 +496,17 @@ class _Case:
             for r in range(self.nranks)])
         return count_wrong_exact(result, expected)
 
+    def check_kd(self) -> int:
+        """One fresh keras_dist call, checked (in place: from the input again)."""
+        if self.args.inplace:
+            self.kd_buf[...] = self.input
+        return self.wrong(self.kd_call())
+
     def check_mpi(self) -> int:
         """One fresh mpi4py call into a receive buffer filled with garbage, checked."""
+        if self.args.inplace:
+            self.mpi_recv[...] = self.input
+            return self.wrong(self.mpi_call())
         self.mpi_recv.view(np.uint8)[...] = 0xA5
         if self.args.collective == "broadcast" and self.rank == self.args.root:
             self.mpi_recv[...] = self.input
@@ -530,7 +568,7 @@ def run(args: argparse.Namespace) -> int:
         seconds = time_alternating(calls, comm, args.iters, args.reps, args.warmup)
         wrong: list[int | None] = [None] * len(calls)
         if args.check:
-            local = np.array([case.wrong(case.kd_call())]
+            local = np.array([case.check_kd()]
                              + ([case.check_mpi()] if vs_mpi else []), np.int64)
             comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
             wrong = [int(w) for w in local]

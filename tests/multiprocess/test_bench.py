@@ -27,13 +27,15 @@ def _rows(text):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("collective, dtype, op", [
     ("allreduce", "float32", "sum"),
+    ("allreduce --inplace", "int64", "product"),
     ("allreduce", "bfloat16", "max"),
     ("broadcast", "int32", "sum"),
     ("allgather", "float16", "sum"),
 ])
 def test_bench_runs_checked_side_by_side(transport, collective, dtype, op):
-    command = [sys.executable, "-m", "keras_dist.bench", collective, "-b", "4", "-e", "300K",
-               "-f", "32", "--dtype", dtype, "--transport", transport, "--vs", "mpi",
+    collective, *extra = collective.split()
+    command = [sys.executable, "-m", "keras_dist.bench", collective, *extra, "-b", "4",
+               "-e", "300K", "-f", "32", "--dtype", dtype, "--transport", transport, "--vs", "mpi",
                "-n", "3", "-w", "1", "--reps", "2", "--mem-bytes", "4M"]
     if collective == "allreduce":
         command += ["--op", op]

@@ -57,6 +57,8 @@ def test_every_op(op):
     ["allreduce", "-n", "0"],
     ["allreduce", "-w", "-1"],
     ["broadcast", "--op", "max"],
+    ["broadcast", "--inplace"],
+    ["allreduce", "--inplace", "--dtype", "bfloat16"],
 ])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exited:
