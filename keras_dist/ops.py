@@ -225,6 +225,7 @@ def _check_dtypes(arrays: Sequence[np.ndarray], collective: str) -> None:
 # Numpy cores: flat buffers through the transport.
 
 
+@functools.lru_cache(maxsize=64)
 def _is_float(dtype: np.dtype) -> bool:
     return np.issubdtype(dtype, np.floating) or _dtypes.is_half(dtype)
 
@@ -257,9 +258,8 @@ def _allreduce_numpy(x: np.ndarray, op: ReduceOp, prescale: float, postscale: fl
         np.multiply(x, prescale, out=out, casting="unsafe")
     if out.size:
         with timeline.activity(name, "allreduce", out.nbytes):
-            group.transport.allreduce(out.reshape(-1), _TRANSPORT_OPS[op],
-                                      name=f"{name} {op.value} " + _describe(
-                                          ((x.shape, x.dtype.str),), 1))
+            group.transport.allreduce(out.reshape(-1), _TRANSPORT_OPS[op], name=_describe(
+                f"{name} {op.value}", ((x.shape, x.dtype.str),), 1))
         COUNTERS["allreduce"] += 1
     if op is ReduceOp.AVERAGE and not _is_float(x.dtype):
         np.floor_divide(out, group.size, out=out)
@@ -270,11 +270,14 @@ def _allreduce_numpy(x: np.ndarray, op: ReduceOp, prescale: float, postscale: fl
     return out
 
 
-@functools.lru_cache(maxsize=256)
-def _describe(members: tuple, group_length: int) -> str:
-    """Text naming a bucket's shapes and dtypes (cached: steps repeat the same ones)."""
+@functools.lru_cache(maxsize=1024)
+def _describe(prefix: str, members: tuple, group_length: int) -> str:
+    """The name a transport checks ranks agree on: the call and its bucket's shapes.
+
+    Cached: training steps repeat the same calls.
+    """
     shapes = " ".join(f"{np.dtype(d).name}{list(shape)}" for shape, d in members)
-    return f"[{len(members)} of {group_length} tensors: {shapes}]"
+    return f"{prefix} [{len(members)} of {group_length} tensors: {shapes}]"
 
 
 def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
@@ -295,8 +298,9 @@ def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
             count = sum(a.size for a in members)
             flat = transport.scratch(count * dtype.itemsize).view(dtype)
             fusion.pack(members, flat, prescale)
-            transport.allreduce(flat, code, name=f"{name} {op.value} " + _describe(
-                tuple((a.shape, a.dtype.str) for a in members), len(arrays)))
+            transport.allreduce(flat, code, name=_describe(
+                f"{name} {op.value}", tuple((a.shape, a.dtype.str) for a in members),
+                len(arrays)))
             COUNTERS["allreduce"] += 1
             # ``flat`` may be shared memory that peers still read: only read it now.
             if op is ReduceOp.AVERAGE and not _is_float(dtype):
@@ -324,8 +328,8 @@ def _broadcast_arrays(arrays: list[np.ndarray], root: int, name: str) -> list[np
             flat = np.empty(count, dtype) if len(members) > 1 else members[0].reshape(-1)
             if len(members) > 1 and group.rank == root:
                 fusion.pack(members, flat)
-            group.transport.broadcast(flat.view(np.uint8), root, name=f"{name} " + _describe(
-                tuple((a.shape, a.dtype.str) for a in members), len(arrays)))
+            group.transport.broadcast(flat.view(np.uint8), root, name=_describe(
+                name, tuple((a.shape, a.dtype.str) for a in members), len(arrays)))
             COUNTERS["broadcast"] += 1
             if len(members) > 1:
                 for index, result in zip(bucket, fusion.unpack(flat, members)):
