@@ -392,7 +392,9 @@ class _RankWatcher:
             ready, _, _ = select.select(list(self._fds), [], [], timeout)
         except (OSError, ValueError):
             return
-        for fd in ready:
+        # Exits seen together (kdrun was not scheduled in between): a rank
+        # killed by a signal goes before one that exited or aborted because of it.
+        for fd in sorted(ready, key=lambda fd: _exit_rank(self._fds[fd][1])):
             self._exited(fd)
 
     def close(self) -> None:
@@ -485,6 +487,27 @@ class _RankWatcher:
             parent = _parent_pid(pid)
             if candidates.get(parent) != rank:
                 self._watch(rank, pid)
+
+
+_HARD_SIGNALS = {signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE,
+                 signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+
+
+def _exit_rank(pid: int) -> int:
+    """0: killed by a hard signal; 1: unknown (already reaped); 2: exited or aborted.
+
+    Read from the zombie's /proc/<pid>/stat (exit_code, field 52), which
+    lasts until its parent reaps it.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+            fields = handle.read().rpartition(")")[2].split()
+        if fields[0] != "Z":
+            return 1
+        status = int(fields[49])
+    except (OSError, ValueError, IndexError):
+        return 1
+    return 0 if (status & 0x7F) in _HARD_SIGNALS else 2
 
 
 def _parent_pid(pid: int) -> int | None:

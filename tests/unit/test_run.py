@@ -378,3 +378,21 @@ def test_error_summary_finds_the_exception_line_in_a_tensorflow_traceback():
     assert status.error_summary == "TypeError: `buf` must have dtype uint8"
     assert _jobstatus.RankStatus(rank=0, error="odd\n").error_summary == "odd"
     assert _jobstatus.RankStatus(rank=0, error="\n").error_summary == "(empty traceback)"
+
+
+def test_exit_rank_tells_a_killed_process_from_one_that_exited():
+    exited = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.kill()
+    for child in (exited, killed):
+        while True:  # a zombie until waited for
+            with open(f"/proc/{child.pid}/stat") as handle:
+                if handle.read().rpartition(")")[2].split()[0] == "Z":
+                    break
+    try:
+        assert run._exit_rank(killed.pid) == 0
+        assert run._exit_rank(exited.pid) == 2
+    finally:
+        exited.wait()
+        killed.wait()
+    assert run._exit_rank(killed.pid) == 1
