@@ -7,6 +7,7 @@ import dataclasses
 import os
 import sys
 import threading
+import time
 import traceback
 
 from keras_dist import _jobstatus
@@ -182,6 +183,9 @@ def _install_excepthook(rank: int, size: int) -> None:
         sys.stderr.write("".join(label + line + "\n" for line in text.rstrip().splitlines()))
         sys.stderr.flush()
         _jobstatus.record_error(rank, text)
+        # Give the process manager a moment to forward the traceback before
+        # the abort tears the job's output channels down.
+        time.sleep(0.2)
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
