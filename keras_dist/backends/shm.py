@@ -142,6 +142,13 @@ class ShmTransport(Transport):
             self._engine.attach()
         except _NATIVE_ERRORS as exc:
             raise _translate(exc) from None
+        #: The leaders' transport across machines: MPI with bounded waits.
+        self._cross_transport = None
+        if self._cross is not None:
+            from keras_dist.backends.mpi import MpiTransport
+
+            same_host = self._cross.Split_type(MPI.COMM_TYPE_SHARED, key=self._cross.Get_rank())
+            self._cross_transport = MpiTransport(self._cross, same_host, config)
         #: dtype.num -> native dtype code, filled on first use of each dtype.
         self._codes: dict[int, int] = {}
 
@@ -171,25 +178,10 @@ class ShmTransport(Transport):
             )
             if self._hierarchical:
                 if self._is_leader:
-                    self._cross_allreduce(buf, op)
+                    self._cross_transport.allreduce(buf, op, name)
                 engine.broadcast(buf.view(np.uint8), 0)
         except _NATIVE_ERRORS as exc:
             raise _translate(exc) from None
-
-    def _cross_allreduce(self, buf: np.ndarray, op: int) -> None:
-        MPI = self._mpi
-        mpi_op = {
-            _dtypes.SUM: MPI.SUM,
-            _dtypes.MIN: MPI.MIN,
-            _dtypes.MAX: MPI.MAX,
-            _dtypes.PRODUCT: MPI.PROD,
-        }[op]
-        if _dtypes.is_half(buf.dtype):
-            wide = buf.astype(np.float32)
-            self._cross.Allreduce(MPI.IN_PLACE, wide, mpi_op)
-            buf[...] = wide.astype(buf.dtype)
-        else:
-            self._cross.Allreduce(MPI.IN_PLACE, buf, mpi_op)
 
     def broadcast(self, buf: np.ndarray, root: int, name: str | None = None) -> None:
         if not 0 <= root < self.size:
@@ -213,7 +205,7 @@ class ShmTransport(Transport):
             if on_root_node and root_local != 0:
                 engine.broadcast(view, root_local, name)
             if self._is_leader:
-                self._cross.Bcast(view, root=root_node)
+                self._cross_transport.broadcast(view, root_node, name)
             if not on_root_node or root_local == 0:
                 engine.broadcast(view, 0, name)
         except _NATIVE_ERRORS as exc:
@@ -248,7 +240,7 @@ class ShmTransport(Transport):
                 totals = [sum(byte_counts[g] for g in ms) for ms in self._members]
                 starts = np.concatenate([[0], np.cumsum(totals)[:-1]]).astype(np.int64).tolist()
                 blobs = np.empty(sum(totals), np.uint8)
-                self._cross.Allgatherv(node_blob, [blobs, totals, starts, self._mpi.BYTE])
+                self._cross_transport.allgatherv(node_blob, blobs, totals, name)
                 displ = np.concatenate([[0], np.cumsum(byte_counts)[:-1]]).astype(np.int64)
                 for machine, members in enumerate(self._members):
                     at = starts[machine]
@@ -271,7 +263,7 @@ class ShmTransport(Transport):
             engine.barrier()
             if self._hierarchical:
                 if self._is_leader:
-                    self._cross.Barrier()
+                    self._cross_transport.barrier()
                 engine.barrier()
         except _NATIVE_ERRORS as exc:
             raise _translate(exc) from None
@@ -317,6 +309,9 @@ class ShmTransport(Transport):
         return super().scratch(nbytes)
 
     def close(self) -> None:
+        cross, self._cross_transport = getattr(self, "_cross_transport", None), None
+        if cross is not None:
+            cross.close()
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.unlink()

@@ -14,7 +14,8 @@ SCENARIOS = ["shape", "same_count_other_shape", "dtype", "op", "grouped_count", 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_mismatch_raises_on_every_rank(transport, scenario):
     result = run_job(["python", WORKER, scenario], np=2, timeout=60,
-                     env={"KERAS_DIST_CPU_OPERATIONS": transport, "KERAS_DIST_TIMEOUT_SECONDS": "30"})
+                     env={"KERAS_DIST_CPU_OPERATIONS": transport,
+                          "KERAS_DIST_TIMEOUT_SECONDS": "30"})
     assert result.returncode == 0, result.describe()
     for rank in range(2):
         assert f"MISMATCH rank={rank}" in result.output(rank), result.describe()

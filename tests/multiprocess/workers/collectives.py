@@ -224,5 +224,5 @@ if __name__ == "__main__":
         if name.startswith("test_"):
             function()
             print(f"rank {RANK}: {name} passed", flush=True)
-    print(f"COLLECTIVES OK rank={RANK} size={SIZE} transport={kd._get().transport.name}",
-          flush=True)
+    print(f"COLLECTIVES OK rank={RANK} size={SIZE} transport={kd._get().transport.name} "
+          f"cross_size={kd.cross_size()}", flush=True)
