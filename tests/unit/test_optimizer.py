@@ -60,7 +60,9 @@ def test_backward_passes_accumulate_locally(average, in_function):
     opt = DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=3,
                                average_aggregated_gradients=average)
     grads = [np.array([1.0, 2.0, 3.0], "float32") * (i + 1) for i in range(6)]
-    step = (lambda g: opt.apply([g], [var]))
+    def step(grad):
+        opt.apply([grad], [var])
+
     if in_function:
         step = tf.function(step)
     expected = np.zeros(3)
