@@ -69,7 +69,8 @@ def test_command_that_does_not_exist_fails():
 
 def test_plain_mpi_program_output_passes_through_mpiexec():
     code = ("from mpi4py import MPI; c = MPI.COMM_WORLD; "
-            "assert c.allreduce(c.rank) == c.size * (c.size - 1) // 2; print('ok', c.rank)")
+            "assert c.allreduce(c.rank) == c.size * (c.size - 1) // 2; "
+            "import sys; sys.stdout.write(f'ok {c.rank}\\n')")  # one write: lines can't interleave
     result = run_job([sys.executable, "-c", code], np=2, timeout=60,
                      per_rank_output=False).check()
     assert "ok 0" in result.launcher_stdout, result.describe()
