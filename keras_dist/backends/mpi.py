@@ -1,12 +1,13 @@
 """The MPI transport: mpi4py's buffer interface, no pickling of arrays.
 
-Every collective is posted non-blocking and polled through a ``Waiter``, so a
-wait is bounded: a dead peer on this machine raises ``PeerFailureError``, a
-long wait warns (``StallWarning``) naming the ranks that have not joined, and
-``KERAS_DIST_TIMEOUT_SECONDS`` turns it into ``CollectiveTimeoutError``.
 Before its data moves, every collective checks that all ranks called the same
 thing (kind, op, dtype, count, root, and the tensor layer's description) and
-raises ``CollectiveMismatchError`` on every rank otherwise.
+raises ``CollectiveMismatchError`` on every rank otherwise. That check is
+where a rank waits for late peers: it is posted non-blocking and polled
+through a ``Waiter``, so the wait is bounded: a dead peer on this machine
+raises ``PeerFailureError``, a long wait warns (``StallWarning``) naming the
+ranks that have not joined, and ``KERAS_DIST_TIMEOUT_SECONDS`` turns it into
+``CollectiveTimeoutError``.
 """
 
 from __future__ import annotations
@@ -91,8 +92,11 @@ class MpiTransport(Transport):
                 f"(transport mpi). {detail}"
             )
 
-    def _run(self, request, kind: str, nbytes: int) -> None:
-        self._waiter.wait(request.Test, f"{kind} of {nbytes} bytes")
+    # Once the check has passed, every rank has entered this very collective,
+    # so the data moves through MPI's blocking call: MPI drives its own
+    # progress (polling a non-blocking request from Python starves large
+    # messages). A rank that dies during the transfer is the process
+    # manager's to handle: MPICH ends the job, as it does for any MPI program.
 
     def allreduce(self, buf: np.ndarray, op: int, name: str | None = None) -> None:
         self._enter("allreduce", f"allreduce op={_dtypes.OP_NAMES[op]} dtype={buf.dtype.name} "
@@ -100,16 +104,14 @@ class MpiTransport(Transport):
         mpi_op = self._ops[op]
         if _dtypes.is_half(buf.dtype):
             wide = buf.astype(np.float32)
-            self._run(self.comm.Iallreduce(self._mpi.IN_PLACE, wide, mpi_op), "allreduce",
-                      buf.nbytes)
+            self.comm.Allreduce(self._mpi.IN_PLACE, wide, mpi_op)
             buf[...] = wide.astype(buf.dtype)
         else:
-            self._run(self.comm.Iallreduce(self._mpi.IN_PLACE, buf, mpi_op), "allreduce",
-                      buf.nbytes)
+            self.comm.Allreduce(self._mpi.IN_PLACE, buf, mpi_op)
 
     def broadcast(self, buf: np.ndarray, root: int, name: str | None = None) -> None:
         self._enter("broadcast", f"broadcast root={root} bytes={buf.nbytes} {name or ''}")
-        self._run(self.comm.Ibcast(buf.view(np.uint8), root=root), "broadcast", buf.nbytes)
+        self.comm.Bcast(buf.view(np.uint8), root=root)
 
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int],
                    name: str | None = None) -> None:
@@ -118,14 +120,12 @@ class MpiTransport(Transport):
         itemsize = send.dtype.itemsize
         byte_counts = [c * itemsize for c in counts]
         displacements = np.concatenate([[0], np.cumsum(byte_counts)[:-1]]).astype(int).tolist()
-        request = self.comm.Iallgatherv(
+        self.comm.Allgatherv(
             send.view(np.uint8), [recv.view(np.uint8), byte_counts, displacements, self._mpi.BYTE]
         )
-        self._run(request, "allgather", recv.nbytes)
 
     def barrier(self) -> None:
-        self._enter("barrier", "barrier")
-        self._run(self.comm.Ibarrier(), "barrier", 0)
+        self._enter("barrier", "barrier")  # the check is itself a barrier
 
     def close(self) -> None:
         window, self._board_window = getattr(self, "_board_window", None), None
