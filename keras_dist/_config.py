@@ -54,19 +54,6 @@ def _choice(name: str, choices: tuple[str, ...], default: str, alias: str | None
     return value
 
 
-def _flag(name: str, default: bool, alias: str | None = None) -> bool:
-    found = _raw(name, alias)
-    if found is None:
-        return default
-    key, value = found
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"`{key}` must be 0/1/true/false. Received: {key}={value!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Settings of one process, parsed from its environment."""
@@ -87,8 +74,6 @@ class Config:
     ranks_per_node: int | None = None
     #: Shared-memory bytes per rank slot of the shm engine.
     shm_slot_bytes: int = 16 * _MIB
-    #: Read peers' buffers with process_vm_readv where permitted.
-    shm_single_copy: bool = True
     #: Job identifier (set by kdrun); scopes shared-memory names.
     job_id: str | None = None
 
@@ -114,6 +99,5 @@ class Config:
             timeline_path=(_raw("KERAS_DIST_TIMELINE", "HOROVOD_TIMELINE") or (None, None))[1],
             ranks_per_node=_int("KERAS_DIST_RANKS_PER_NODE", None) or None,
             shm_slot_bytes=_int("KERAS_DIST_SHM_SLOT_BYTES", 16 * _MIB),
-            shm_single_copy=_flag("KERAS_DIST_SHM_SINGLE_COPY", True),
             job_id=(_raw("KERAS_DIST_JOB_ID") or (None, None))[1],
         )
