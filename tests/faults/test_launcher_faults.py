@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from keras_dist.run import cleanup_shm, shm_snapshot
 from tests._mp import TAG_ENV, processes_with_env, run_job, start_job
 
 WORKER = str(Path(__file__).with_name("fault_worker.py"))
@@ -156,7 +157,9 @@ def test_signal_to_kdrun_stops_everything(signum, mode):
 
 
 def test_kdrun_killed_takes_the_job_with_it():
-    # Nothing is left to clean /dev/shm then; but no rank may run on.
+    # Nothing is left to clean /dev/shm then (MPICH's segment stays, and this
+    # test removes it as kdrun would have); but no rank may run on.
+    before = shm_snapshot()
     job = _start_and_wait_ready("hang")
     job.proc.kill()
     deadline = time.monotonic() + 15
@@ -164,6 +167,7 @@ def test_kdrun_killed_takes_the_job_with_it():
         time.sleep(0.2)
     left = [pid for pid in processes_with_env(TAG_ENV, job.tag) if pid != job.pid]
     result = job.wait(5)
+    cleanup_shm("kdrun-was-killed", before)
     assert left == [], f"processes of the job outlived kdrun: {left}\n{result.describe()}"
 
 
