@@ -239,9 +239,17 @@ def find_job_processes(name: str, value: str) -> list[int]:
 
 def kill_job_processes(job_id: str) -> int:
     """SIGKILLs every process carrying the job id; returns how many were found."""
+    return kill_processes_with_env(JOB_ID_ENV, job_id)
+
+
+def kill_processes_with_env(name: str, value: str) -> int:
+    """SIGKILLs every process whose environment has ``name=value``, until none is left.
+
+    Returns the most processes found at once.
+    """
     total = 0
     for _ in range(200):  # 10 s: a SIGKILLed process with a large memory takes a while
-        pids = find_job_processes(JOB_ID_ENV, job_id)
+        pids = find_job_processes(name, value)
         if not pids:
             break
         total = max(total, len(pids))

@@ -43,6 +43,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from keras_dist.run import find_job_processes, kill_processes_with_env
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TAG_ENV = "KERAS_DIST_TEST_TAG"
 
@@ -131,20 +133,8 @@ def format_job_output(result: JobResult) -> str:
     return "".join(parts)
 
 
-def processes_with_env(name: str, value: str) -> list[int]:
-    """Pids of live processes whose environment holds ``name=value`` (a /proc scan)."""
-    needle = f"{name}={value}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                if needle in handle.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
+#: Pids of live processes whose environment holds ``name=value`` (a /proc scan).
+processes_with_env = find_job_processes
 
 
 def _cmdline(pid: int) -> str:
@@ -156,16 +146,7 @@ def _cmdline(pid: int) -> str:
 
 
 def _kill_tagged(tag: str) -> None:
-    for _ in range(50):
-        pids = processes_with_env(TAG_ENV, tag)
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.1)
+    kill_processes_with_env(TAG_ENV, tag)
 
 
 def _read_outputs(directory: str) -> tuple[dict[int, str], dict[int, str]]:
