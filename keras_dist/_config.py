@@ -74,6 +74,12 @@ class Config:
     ranks_per_node: int | None = None
     #: Shared-memory bytes per rank slot of the shm engine.
     shm_slot_bytes: int = 16 * _MIB
+    #: Single-copy reads of peers' buffers (process_vm_readv) on the shm engine:
+    #: "auto" (when every local rank can read the others) or "off".
+    shm_single_copy: str = "auto"
+    #: Smallest allreduce, in bytes, that takes the single-copy path
+    #: (allgathers take it from 16 KiB).
+    shm_single_copy_bytes: int = _MIB
     #: Job identifier (set by kdrun); scopes shared-memory names.
     job_id: str | None = None
 
@@ -99,5 +105,7 @@ class Config:
             timeline_path=(_raw("KERAS_DIST_TIMELINE", "HOROVOD_TIMELINE") or (None, None))[1],
             ranks_per_node=_int("KERAS_DIST_RANKS_PER_NODE", None) or None,
             shm_slot_bytes=_int("KERAS_DIST_SHM_SLOT_BYTES", 16 * _MIB),
+            shm_single_copy=_choice("KERAS_DIST_SHM_SINGLE_COPY", ("auto", "off"), "auto"),
+            shm_single_copy_bytes=_int("KERAS_DIST_SHM_SINGLE_COPY_BYTES", _MIB),
             job_id=(_raw("KERAS_DIST_JOB_ID") or (None, None))[1],
         )

@@ -528,6 +528,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"`--root` must be in [0, size). Received: root={args.root} "
                          f"(size={nranks})")
     transport = kd._get().transport.name
+    single_copy = getattr(kd._get().transport, "single_copy_status", None)
     vs_mpi = args.vs == "mpi"
 
     def say(line: str = "") -> None:
@@ -541,6 +542,8 @@ def run(args: argparse.Namespace) -> int:
     say(f"# keras_dist.bench {args.collective}: nranks {nranks}, transport {transport}, "
         f"dtype {args.dtype}, op {redop}"
         + (f", root {args.root}" if args.collective == "broadcast" else ""))
+    if single_copy is not None:
+        say(f"# shm single-copy reads (process_vm_readv): {single_copy}")
     say(f"# timing: median of {args.reps} blocks of {args.iters} calls (after {args.warmup} "
         "warm-up calls), slowest rank per block"
         + (", keras_dist and mpi4py blocks alternating" if vs_mpi else ""))

@@ -252,14 +252,17 @@ def _allreduce_numpy(x: np.ndarray, op: ReduceOp, prescale: float, postscale: fl
     if group.size == 1:
         return x if prescale * postscale == 1.0 else x * (prescale * postscale)
     out = np.empty(x.shape, x.dtype)
-    if prescale == 1.0:
-        np.copyto(out, x)
-    else:
+    send = None  # the transport reads ``x`` itself: no copy into ``out`` first
+    if prescale != 1.0:
         np.multiply(x, prescale, out=out, casting="unsafe")
+    elif x.flags.c_contiguous:
+        send = x.reshape(-1)
+    else:
+        np.copyto(out, x)
     if out.size:
         with timeline.activity(name, "allreduce", out.nbytes):
             group.transport.allreduce(out.reshape(-1), _TRANSPORT_OPS[op], name=_describe(
-                f"{name} {op.value}", ((x.shape, x.dtype.str),), 1))
+                f"{name} {op.value}", ((x.shape, x.dtype.str),), 1), send=send)
         COUNTERS["allreduce"] += 1
     if op is ReduceOp.AVERAGE and not _is_float(x.dtype):
         np.floor_divide(out, group.size, out=out)

@@ -23,12 +23,15 @@ class Transport(abc.ABC):
         self._scratch = np.empty(0, np.uint8)
 
     @abc.abstractmethod
-    def allreduce(self, buf: np.ndarray, op: int, name: str | None = None) -> None:
+    def allreduce(self, buf: np.ndarray, op: int, name: str | None = None,
+                  send: np.ndarray | None = None) -> None:
         """Reduces ``buf`` across ranks in place with ``op`` (SUM/MIN/MAX/PRODUCT).
 
         ``name``, where given, describes the call (the tensor layer passes the
         shapes and dtypes of a fused bucket); transports that check that all
-        ranks agree include it in the check.
+        ranks agree include it in the check. ``send``, where given, is the
+        input (1-D, like ``buf``, not overlapping it), and ``buf`` only
+        receives the result: that saves the caller a copy.
         """
 
     @abc.abstractmethod

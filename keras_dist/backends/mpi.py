@@ -98,16 +98,17 @@ class MpiTransport(Transport):
     # messages). A rank that dies during the transfer is the process
     # manager's to handle: MPICH ends the job, as it does for any MPI program.
 
-    def allreduce(self, buf: np.ndarray, op: int, name: str | None = None) -> None:
+    def allreduce(self, buf: np.ndarray, op: int, name: str | None = None,
+                  send: np.ndarray | None = None) -> None:
         self._enter("allreduce", f"allreduce op={_dtypes.OP_NAMES[op]} dtype={buf.dtype.name} "
                     f"count={buf.size} {name or ''}")
         mpi_op = self._ops[op]
         if _dtypes.is_half(buf.dtype):
-            wide = buf.astype(np.float32)
+            wide = (buf if send is None else send).astype(np.float32)
             self.comm.Allreduce(self._mpi.IN_PLACE, wide, mpi_op)
             buf[...] = wide.astype(buf.dtype)
         else:
-            self.comm.Allreduce(self._mpi.IN_PLACE, buf, mpi_op)
+            self.comm.Allreduce(self._mpi.IN_PLACE if send is None else send, buf, mpi_op)
 
     def broadcast(self, buf: np.ndarray, root: int, name: str | None = None) -> None:
         self._enter("broadcast", f"broadcast root={root} bytes={buf.nbytes} {name or ''}")

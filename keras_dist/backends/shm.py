@@ -119,6 +119,8 @@ class ShmTransport(Transport):
             timeout_seconds=timeout,
             global_ranks=self._members[self._node],
             on_stall=_warn_stall,
+            single_copy=config.shm_single_copy == "auto",
+            single_copy_bytes=max(1, config.shm_single_copy_bytes),
         )
         problem = None
         name = None
@@ -149,12 +151,16 @@ class ShmTransport(Transport):
 
             same_host = self._cross.Split_type(MPI.COMM_TYPE_SHARED, key=self._cross.Get_rank())
             self._cross_transport = MpiTransport(self._cross, same_host, config)
+        #: "on", or "off: <why>": whether large messages are read straight from
+        #: peers' buffers (the same on every rank of a machine).
+        self.single_copy_status = self._engine.single_copy_status
         #: dtype.num -> native dtype code, filled on first use of each dtype.
         self._codes: dict[int, int] = {}
 
     # -- collectives -------------------------------------------------------
 
-    def allreduce(self, buf: np.ndarray, op: int, name: str | None = None) -> None:
+    def allreduce(self, buf: np.ndarray, op: int, name: str | None = None,
+                  send: np.ndarray | None = None) -> None:
         code = self._codes.get(buf.dtype.num)
         if code is None:
             code = self._codes[buf.dtype.num] = _dtypes.dtype_code(buf.dtype)
@@ -170,12 +176,12 @@ class ShmTransport(Transport):
         try:
             # The engine takes any buffer of the dtype's item size; numpy cannot
             # export bfloat16 buffers, so those travel as bytes.
-            engine.allreduce(
-                buf.view(np.uint8) if code == _dtypes.BFLOAT16 else buf,
-                code,
-                op,
-                name,
-            )
+            if code == _dtypes.BFLOAT16:
+                buf_view = buf.view(np.uint8)
+                send = None if send is None else send.view(np.uint8)
+            else:
+                buf_view = buf
+            engine.allreduce(buf_view, code, op, name, send)
             if self._hierarchical:
                 if self._is_leader:
                     self._cross_transport.allreduce(buf, op, name)

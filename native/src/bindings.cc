@@ -150,7 +150,8 @@ std::unique_ptr<kd::ShmEngine> make_engine(const std::string& name, bool create,
                                            std::vector<int64_t> peer_pids, double stall_seconds,
                                            double timeout_seconds,
                                            std::vector<int64_t> global_ranks,
-                                           nb::object on_stall) {
+                                           nb::object on_stall, bool single_copy,
+                                           size_t single_copy_bytes) {
   kd::EngineOptions options;
   options.name = name;
   options.create = create;
@@ -161,6 +162,8 @@ std::unique_ptr<kd::ShmEngine> make_engine(const std::string& name, bool create,
   options.ranks = std::move(global_ranks);
   options.stall_seconds = stall_seconds;
   options.timeout_seconds = timeout_seconds;
+  options.single_copy = single_copy;
+  options.single_copy_bytes = single_copy_bytes;
   // Both hooks run inside a wait that released the GIL; a Python exception
   // (KeyboardInterrupt, a warning turned into an error) propagates out.
   kd::EngineHooks hooks;
@@ -193,14 +196,24 @@ std::string_view name_text(nb::handle name) {
 }
 
 void engine_allreduce(kd::ShmEngine& engine, nb::handle buf_obj, int dtype_code, int op_code,
-                      nb::handle name) {
+                      nb::handle name, nb::handle send_obj) {
   const kd::DType dtype = check_dtype(dtype_code);
   const kd::Op op = check_op(op_code);
   ByteBuffer buf(buf_obj, true, "buf", kd::dtype_size(dtype_code));
   element_count(buf.size(), dtype_code, "buf");
+  std::unique_ptr<ByteBuffer> send;
+  if (!send_obj.is_none()) {
+    send.reset(new ByteBuffer(send_obj, false, "send", kd::dtype_size(dtype_code)));
+    if (send->size() != buf.size()) {
+      throw nb::value_error(("allreduce: `send` must have as many bytes as `buf`. Received: " +
+                             std::to_string(send->size()) + " bytes, buf has " +
+                             std::to_string(buf.size()))
+                                .c_str());
+    }
+  }
   const std::string_view text = name_text(name);
   nb::gil_scoped_release release;
-  engine.allreduce(buf.data(), buf.size(), dtype, op, text);
+  engine.allreduce(buf.data(), buf.size(), dtype, op, text, send ? send->data() : nullptr);
 }
 
 void engine_broadcast(kd::ShmEngine& engine, nb::handle buf_obj, int root, nb::handle name) {
@@ -265,7 +278,8 @@ NB_MODULE(_native, m) {
       .def(nb::new_(&make_engine), nb::arg("name"), nb::arg("create"), nb::arg("local_rank"),
            nb::arg("local_size"), nb::arg("slot_bytes"), nb::arg("peer_pids"),
            nb::arg("stall_seconds") = 60.0, nb::arg("timeout_seconds") = 0.0,
-           nb::arg("global_ranks") = std::vector<int64_t>(), nb::arg("on_stall") = nb::none())
+           nb::arg("global_ranks") = std::vector<int64_t>(), nb::arg("on_stall") = nb::none(),
+           nb::arg("single_copy") = true, nb::arg("single_copy_bytes") = size_t(1) << 20)
       .def("attach", &kd::ShmEngine::attach, nb::call_guard<nb::gil_scoped_release>(),
            "Collective: waits for every local rank, then local rank 0 unlinks the name.")
       .def("unlink", &kd::ShmEngine::unlink, "Removes the segment's name (local rank 0).")
@@ -273,7 +287,8 @@ NB_MODULE(_native, m) {
            "Ends the engine: every local rank's current or next collective raises "
            "CollectiveMismatchError(message).")
       .def("allreduce", &engine_allreduce, nb::arg("buf"), nb::arg("dtype"), nb::arg("op"),
-           nb::arg("name") = nb::none())
+           nb::arg("name") = nb::none(), nb::arg("send") = nb::none(),
+           "Reduces `buf` in place across local ranks, or `send` into `buf` when given.")
       .def("broadcast", &engine_broadcast, nb::arg("buf"), nb::arg("root"),
            nb::arg("name") = nb::none())
       .def("allgatherv", &engine_allgatherv, nb::arg("send"), nb::arg("recv"),
@@ -283,6 +298,11 @@ NB_MODULE(_native, m) {
            "A view of this rank's next shared buffer (None if nbytes is too large); "
            "allreduce of it skips the copy in. Valid until the next collective.")
       .def_prop_ro("buffer_bytes", &kd::ShmEngine::buffer_bytes)
+      .def_prop_ro("single_copy", &kd::ShmEngine::single_copy,
+                   "Whether large allreduces and allgathers read peers' buffers directly "
+                   "(process_vm_readv).")
+      .def_prop_ro("single_copy_status", &kd::ShmEngine::single_copy_status,
+                   "'on', or 'off: <why>'.")
       .def_prop_ro("local_rank", &kd::ShmEngine::local_rank)
       .def_prop_ro("local_size", &kd::ShmEngine::local_size)
       .def_prop_ro("name", &kd::ShmEngine::name);

@@ -13,6 +13,12 @@
 // * Waits spin briefly, then yield, then sleep with backoff; every 100 ms they
 //   check that the awaited peers are alive and that no rank has aborted, warn
 //   after stall_seconds and raise after timeout_seconds.
+// * Large allreduces and allgathers, when every rank can read its peers'
+//   memory (process_vm_readv, probed at attach), skip the slots: each rank
+//   publishes the addresses of its buffers in its header, reads the peers'
+//   parts straight into its own buffers, and a final step keeps every buffer
+//   alive until all peers have read it. Every rank picks the same path (it
+//   depends only on what the header check compares), and the header says it.
 #include "shm_engine.h"
 
 #include <fcntl.h>
@@ -20,6 +26,8 @@
 #include <signal.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/uio.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -53,6 +61,25 @@ constexpr size_t kSmallBytes = 32u << 10;
 // Share of one rank in a chunk of the pipelined path: the chunks of all ranks
 // stay in the shared L3 cache, and each chunk costs two synchronisations.
 constexpr size_t kChunkBytes = 512u << 10;
+// Piece of a peer's share read at a time on the single-copy path: the pieces
+// of all peers stay in this core's cache until they are reduced.
+constexpr size_t kPieceBytes = 256u << 10;
+// Smallest allgather (total bytes) that reads peers' buffers directly: one
+// system call per peer against two copies through the slots.
+constexpr size_t kAllgatherSingleCopyBytes = 16u << 10;
+
+// How a collective moves its data. Every rank must choose the same one.
+enum Path : uint32_t { kSmall = 0, kChunked, kInSlot, kSingleCopy };
+
+const char* path_name(uint32_t path) {
+  switch (path) {
+    case kSmall: return "one round";
+    case kChunked: return "chunked copies";
+    case kInSlot: return "in shared memory";
+    case kSingleCopy: return "single copy";
+    default: return "unknown path";
+  }
+}
 
 enum Kind : uint32_t { kAttach = 1, kBarrier, kAllreduce, kBroadcast, kAllgatherv };
 constexpr uint32_t kNone = 0xffffffffu;
@@ -123,13 +150,26 @@ struct ShmEngine::Header {
   int32_t root;
   uint64_t nbytes;
   uint64_t name_hash;
+  uint64_t src;       // single copy: this rank's source buffer (its own address)
+  uint64_t dst;       // single copy: this rank's destination buffer
+  uint32_t path;      // Path; compared like the fields above
   uint32_t name_len;  // bytes of `name` kept (a prefix of the caller's name)
-  char name[140];
+  char name[128];
+};
+
+// Written once, at attach: can this rank read its peers' memory?
+struct ShmEngine::Probe {
+  uint64_t addr;   // where peers find `value` in this rank's memory
+  uint64_t value;  // random
+  uint32_t want;   // single copy enabled in this rank's options
+  uint32_t ok;     // this rank read every peer's value
+  char reason[104];
 };
 
 struct ShmEngine::RankCtl {
   alignas(kLine) std::atomic<uint64_t> step;
   alignas(kLine) Header hdr[2];
+  alignas(kLine) Probe probe;
 };
 
 struct SegmentLayout {
@@ -190,6 +230,8 @@ ShmEngine::ShmEngine(const EngineOptions& options, EngineHooks hooks)
   data_offset_ = round_up(sizeof(SegmentLayout) + size_t(n_) * sizeof(RankCtl), kPage);
   map_bytes_ = data_offset_ + size_t(n_) * 2 * half_bytes_;
   srcs_.resize(size_t(n_));
+  peer_src_.resize(size_t(n_));
+  peer_dst_.resize(size_t(n_));
 
   const int flags = opt_.create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR;
   fd_ = shm_open(opt_.name.c_str(), flags, 0600);
@@ -334,6 +376,9 @@ void ShmEngine::begin(uint32_t kind, uint32_t op, uint32_t dtype, int32_t root, 
   h.root = root;
   h.nbytes = nbytes;
   h.name_hash = (name.empty() ? 0 : hash_bytes(name.data(), name.size())) ^ extra_hash;
+  h.src = 0;
+  h.dst = 0;
+  h.path = kSmall;
   h.name_len = uint32_t(std::min(name.size(), sizeof(h.name)));
   std::memcpy(h.name, name.data(), h.name_len);
   ++coll_;
@@ -447,7 +492,7 @@ void ShmEngine::wait_all() {
 void ShmEngine::check_headers() {
   const int which = int((coll_ - 1) & 1);
   const Header& mine = ctl(me_)->hdr[which];
-  bool differ[6] = {false, false, false, false, false, false};  // kind op dtype bytes name root
+  bool differ[7] = {};  // kind op dtype bytes name root path
   for (int p = 0; p < n_; ++p) {
     const Header& h = ctl(p)->hdr[which];
     if (h.coll != mine.coll) {
@@ -461,9 +506,20 @@ void ShmEngine::check_headers() {
     differ[3] |= h.nbytes != mine.nbytes;
     differ[4] |= h.name_hash != mine.name_hash;
     differ[5] |= h.root != mine.root;
+    differ[6] |= h.path != mine.path;
   }
-  if (!(differ[0] || differ[1] || differ[2] || differ[3] || differ[4] || differ[5])) return;
+  if (!std::any_of(std::begin(differ), std::end(differ), [](bool d) { return d; })) return;
   std::ostringstream msg;
+  if (!(differ[0] || differ[1] || differ[2] || differ[3] || differ[4] || differ[5])) {
+    // Same call, different data paths: one rank passed its scratch() buffer
+    // and another did not.
+    msg << kind_name(mine.kind) << " mismatch: the ranks' buffers take different paths (";
+    for (int p = 0; p < n_; ++p) {
+      msg << (p ? ", " : "") << rank_label(p) << " " << path_name(ctl(p)->hdr[which].path);
+    }
+    msg << "); either every rank or none passes the buffer scratch() returned";
+    throw MismatchError(msg.str());
+  }
   msg << (differ[0] ? "collective" : kind_name(mine.kind)) << " mismatch: ";
   for (int p = 0; p < n_; ++p) {
     const Header& h = ctl(p)->hdr[which];
@@ -498,10 +554,103 @@ void ShmEngine::check_headers() {
 
 void ShmEngine::attach() {
   begin(kAttach, kNone, kNone, -1, 0, {});
+  Probe& probe = ctl(me_)->probe;
+  if (getrandom(&probe_value_, sizeof(probe_value_), 0) != ssize_t(sizeof(probe_value_))) {
+    probe_value_ = uint64_t(getpid()) * 0x9e3779b97f4a7c15ull ^ uint64_t(now_seconds() * 1e9);
+  }
+  probe.addr = reinterpret_cast<uint64_t>(&probe_value_);
+  probe.value = probe_value_;
+  probe.want = opt_.single_copy && n_ > 1 && opt_.pids.size() == size_t(n_) ? 1 : 0;
+  probe.ok = 0;
+  probe.reason[0] = 0;
   publish();
   wait_all();
   check_headers();
+  probe_single_copy();
   if (opt_.create) unlink();
+}
+
+void ShmEngine::probe_single_copy() {
+  if (n_ == 1) {
+    single_copy_status_ = "off: one local rank";
+    return;
+  }
+  // Step 1 (attach's) published every probe; read each peer's value, then
+  // publish whether that worked and learn the others' verdicts in step 2.
+  Probe& mine = ctl(me_)->probe;
+  std::string reason;
+  if (!mine.want) {
+    reason = opt_.single_copy ? rank_label(me_) + " does not know its peers' pids"
+                              : "disabled on " + rank_label(me_);
+  }
+  for (int p = 0; p < n_ && reason.empty(); ++p) {
+    if (p == me_) continue;
+    const Probe& peer = ctl(p)->probe;
+    if (!peer.want) continue;  // that rank reports why
+    uint64_t seen = 0;
+    iovec local{&seen, sizeof(seen)};
+    iovec remote{reinterpret_cast<void*>(peer.addr), sizeof(seen)};
+    const ssize_t got = process_vm_readv(pid_t(opt_.pids[size_t(p)]), &local, 1, &remote, 1, 0);
+    if (got != ssize_t(sizeof(seen))) {
+      reason = rank_label(me_) + " cannot read the memory of " + rank_label(p) + ": " +
+               (got < 0 ? std::strerror(errno) : "short read");
+    } else if (seen != peer.value) {
+      reason = "pid " + std::to_string(opt_.pids[size_t(p)]) + " of " + rank_label(p) +
+               " names another process here (separate pid namespaces?)";
+    }
+  }
+  mine.ok = reason.empty() ? 1 : 0;
+  std::snprintf(mine.reason, sizeof(mine.reason), "%s", reason.c_str());
+  publish();
+  wait_all();
+  single_copy_ = true;
+  for (int p = 0; p < n_ && single_copy_; ++p) {
+    const Probe& probe = ctl(p)->probe;
+    if (!probe.ok) {
+      single_copy_ = false;
+      single_copy_status_ = std::string("off: ") + probe.reason;
+    }
+  }
+  if (single_copy_) single_copy_status_ = "on";
+}
+
+uint32_t ShmEngine::choose_path(size_t nbytes, bool in_slot) const {
+  if (in_slot) return kInSlot;
+  if (single_copy_ && nbytes >= opt_.single_copy_bytes) return kSingleCopy;
+  return nbytes <= kSmallBytes ? kSmall : kChunked;
+}
+
+void ShmEngine::read_peer(int p, void* local, uint64_t remote, size_t nbytes) {
+  auto* to = static_cast<uint8_t*>(local);
+  while (nbytes > 0) {
+    iovec lv{to, nbytes};
+    iovec rv{reinterpret_cast<void*>(remote), nbytes};
+    const ssize_t got = process_vm_readv(pid_t(opt_.pids[size_t(p)]), &lv, 1, &rv, 1, 0);
+    if (got <= 0) {
+      const int err = got < 0 ? errno : EIO;
+      if (err == EINTR) continue;
+      std::string what = current_collective() + ": cannot read the buffer of " + rank_label(p) +
+                         " (pid " + std::to_string(opt_.pids[size_t(p)]) + "): ";
+      if (err == ESRCH || !process_alive(opt_.pids[size_t(p)])) {
+        fail("a peer died during a single-copy read");
+        throw PeerFailureError(what + "the process died");
+      }
+      fail("a single-copy read failed");
+      throw TransportError(what + std::strerror(err));
+    }
+    to += got;
+    remote += uint64_t(got);
+    nbytes -= size_t(got);
+  }
+}
+
+void ShmEngine::load_peer_addresses() {
+  const int which = int((coll_ - 1) & 1);
+  for (int p = 0; p < n_; ++p) {
+    const Header& h = ctl(p)->hdr[which];
+    peer_src_[size_t(p)] = h.src;
+    peer_dst_[size_t(p)] = h.dst;
+  }
 }
 
 void ShmEngine::unlink() {
@@ -520,26 +669,86 @@ void ShmEngine::barrier() {
   check_headers();
 }
 
-void ShmEngine::allreduce(void* buf, size_t nbytes, DType dtype, Op op, std::string_view name) {
-  begin(kAllreduce, uint32_t(op), uint32_t(dtype), -1, nbytes, name);
-  if (n_ == 1) return;
+void ShmEngine::allreduce(void* buf, size_t nbytes, DType dtype, Op op, std::string_view name,
+                          const void* send) {
   uint8_t* bytes = static_cast<uint8_t*>(buf);
-  const bool in_slot = nbytes > 0 && bytes == data(me_, next_buf_) && nbytes <= half_bytes_;
-  if (!in_slot && overlaps_slot(buf, nbytes)) {
+  const uint8_t* from = send ? static_cast<const uint8_t*>(send) : bytes;
+  ensure_usable();
+  const bool in_slot =
+      nbytes > 0 && bytes == data(me_, next_buf_) && nbytes <= half_bytes_ && from == bytes;
+  if (!in_slot && (overlaps_slot(buf, nbytes) || overlaps_slot(from, nbytes))) {
     throw std::invalid_argument(
         "allreduce: a buffer inside this rank's shared-memory slot must be the one scratch() "
-        "returned, from offset 0, with no collective called in between");
+        "returned, from offset 0, reduced in place, with no collective called in between");
   }
-  if (nbytes <= kSmallBytes && !in_slot) {
-    reduce_small(buf, nbytes, dtype, op);
-  } else {
-    reduce_chunked(bytes, nbytes, dtype, op, in_slot);
+  if (from != bytes && nbytes && from < bytes + nbytes && bytes < from + nbytes) {
+    throw std::invalid_argument("allreduce: `send` and `buf` must be the same or not overlap");
+  }
+  begin(kAllreduce, uint32_t(op), uint32_t(dtype), -1, nbytes, name);
+  if (n_ == 1) {
+    if (from != bytes && nbytes) std::memcpy(bytes, from, nbytes);
+    return;
+  }
+  Header& h = ctl(me_)->hdr[(coll_ - 1) & 1];
+  h.path = choose_path(nbytes, in_slot);
+  switch (h.path) {
+    case kSmall:
+      reduce_small(bytes, from, nbytes, dtype, op);
+      break;
+    case kSingleCopy:
+      h.src = reinterpret_cast<uint64_t>(from);
+      h.dst = reinterpret_cast<uint64_t>(bytes);
+      reduce_single_copy(bytes, from, nbytes, dtype, op);
+      break;
+    default:
+      reduce_chunked(bytes, from, nbytes, dtype, op, in_slot);
   }
 }
 
-void ShmEngine::reduce_small(void* buf, size_t nbytes, DType dtype, Op op) {
+void ShmEngine::reduce_single_copy(uint8_t* buf, const uint8_t* send, size_t nbytes, DType dtype,
+                                   Op op) {
+  publish();
+  wait_all();
+  check_headers();
+  load_peer_addresses();
+  const size_t esize = dtype_size(int(dtype));
+  const size_t count = nbytes / esize;
+  const size_t per = round_up((count + size_t(n_) - 1) / size_t(n_), kLine / esize);
+  auto share_lo = [&](int p) { return std::min(size_t(p) * per, count); };
+  auto share_hi = [&](int p) { return std::min(size_t(p + 1) * per, count); };
+  // Reduce-scatter: read every peer's part of this rank's share, a piece at a
+  // time, and reduce the pieces (in rank order, as every path does) into `buf`.
+  const size_t piece = kPieceBytes / esize;
+  if (pieces_.size() < size_t(n_ - 1) * kPieceBytes) pieces_.resize(size_t(n_ - 1) * kPieceBytes);
+  for (size_t at = share_lo(me_); at < share_hi(me_); at += piece) {
+    const size_t m = std::min(piece, share_hi(me_) - at);
+    uint8_t* next = pieces_.data();
+    for (int p = 0; p < n_; ++p) {
+      if (p == me_) {
+        srcs_[size_t(p)] = send + at * esize;
+        continue;
+      }
+      read_peer(p, next, peer_src_[size_t(p)] + at * esize, m * esize);
+      srcs_[size_t(p)] = next;
+      next += kPieceBytes;
+    }
+    reduce_many(buf + at * esize, srcs_.data(), size_t(n_), m, dtype, op);
+  }
+  publish();
+  wait_all();
+  // Allgather: read every peer's reduced share straight into `buf`.
+  for (int p = 0; p < n_; ++p) {
+    const size_t lo = share_lo(p), hi = share_hi(p);
+    if (p != me_ && hi > lo) read_peer(p, buf + lo * esize, peer_dst_[size_t(p)] + lo * esize, (hi - lo) * esize);
+  }
+  // Peers may still be reading this rank's buffers until they publish this step.
+  publish();
+  wait_all();
+}
+
+void ShmEngine::reduce_small(void* buf, const void* send, size_t nbytes, DType dtype, Op op) {
   uint8_t* mine = data(me_, next_buf_);
-  if (nbytes) std::memcpy(mine, buf, nbytes);
+  if (nbytes) std::memcpy(mine, send, nbytes);
   publish();
   wait_all();
   check_headers();
@@ -548,7 +757,8 @@ void ShmEngine::reduce_small(void* buf, size_t nbytes, DType dtype, Op op) {
   next_buf_ ^= 1;
 }
 
-void ShmEngine::reduce_chunked(uint8_t* buf, size_t nbytes, DType dtype, Op op, bool in_slot) {
+void ShmEngine::reduce_chunked(uint8_t* buf, const uint8_t* send, size_t nbytes, DType dtype,
+                               Op op, bool in_slot) {
   const size_t esize = dtype_size(int(dtype));
   // Share boundaries fall on cache lines; a chunk is whole elements of every share.
   const size_t align_elems = kLine / esize;
@@ -562,7 +772,7 @@ void ShmEngine::reduce_chunked(uint8_t* buf, size_t nbytes, DType dtype, Op op, 
     auto share_lo = [&](int p) { return std::min(size_t(p) * per, count); };
     auto share_hi = [&](int p) { return std::min(size_t(p + 1) * per, count); };
     uint8_t* mine = data(me_, next_buf_);
-    if (!in_slot) std::memcpy(mine, buf + off, cb);
+    if (!in_slot) std::memcpy(mine, send + off, cb);
     publish();
     wait_all();
     if (first) {
@@ -596,6 +806,10 @@ void ShmEngine::broadcast(void* buf, size_t nbytes, int root, std::string_view n
   }
   begin(kBroadcast, kNone, kNone, root, nbytes, name);
   if (n_ == 1) return;
+  // Always through the slots: the root's copy into its slot overlaps the
+  // others' copies out of it, which reading the root's buffer directly (one
+  // copy, done by the readers alone) measured no faster than.
+  ctl(me_)->hdr[(coll_ - 1) & 1].path = kChunked;
   const uint8_t* src = static_cast<const uint8_t*>(buf);
   std::unique_ptr<uint8_t[]> copy;
   if (me_ == root && overlaps_slot(buf, nbytes)) {
@@ -646,12 +860,34 @@ void ShmEngine::allgatherv(const void* send, size_t send_bytes, void* recv,
     if (send_bytes) std::memmove(out, send, send_bytes);
     return;
   }
+  // Peers read `send` while this rank writes `recv`: keep a private copy of a
+  // `send` that `recv` overlaps (unless it sits exactly at this rank's place),
+  // or that lies in the slot the copy path writes.
   const uint8_t* src = static_cast<const uint8_t*>(send);
   std::unique_ptr<uint8_t[]> copy;
-  if (overlaps_slot(send, send_bytes)) {
+  const bool overlaps_recv = send_bytes && src < out + total && out < src + send_bytes &&
+                             src != out + displ[size_t(me_)];
+  if (overlaps_recv || overlaps_slot(send, send_bytes)) {
     copy.reset(new uint8_t[send_bytes]);
     std::memcpy(copy.get(), send, send_bytes);
     src = copy.get();
+  }
+  Header& h = ctl(me_)->hdr[(coll_ - 1) & 1];
+  h.path = single_copy_ && total >= kAllgatherSingleCopyBytes ? kSingleCopy : kChunked;
+  if (h.path == kSingleCopy) {
+    h.src = reinterpret_cast<uint64_t>(src);
+    publish();
+    wait_all();
+    check_headers();
+    load_peer_addresses();
+    for (int p = 0; p < n_; ++p) {
+      const size_t cb = counts_bytes[size_t(p)];
+      if (p == me_ && cb) std::memmove(out + displ[size_t(p)], src, cb);
+      if (p != me_ && cb) read_peer(p, out + displ[size_t(p)], peer_src_[size_t(p)], cb);
+    }
+    publish();  // `send` is in use until every rank has read it
+    wait_all();
+    return;
   }
   const size_t largest = *std::max_element(counts_bytes.begin(), counts_bytes.end());
   const size_t chunk_bytes = std::min(half_bytes_, size_t(1) << 20);

@@ -42,6 +42,11 @@ struct EngineOptions {
   std::vector<int64_t> ranks;     // global rank of every local rank, for messages
   double stall_seconds = 60.0;    // 0: never warn
   double timeout_seconds = 0.0;   // 0: wait forever (still checking liveness)
+  // Single-copy reads of peers' buffers (process_vm_readv) when every local
+  // rank can read every other one: allreduces of at least single_copy_bytes,
+  // allgathers of at least 16 KiB.
+  bool single_copy = true;
+  size_t single_copy_bytes = 1u << 20;
 };
 
 // Hooks into the host runtime, called from slow waits (never from the fast path).
@@ -73,7 +78,9 @@ class ShmEngine {
   void abort_mismatch(const std::string& message);
 
   // `name` (optional) is part of what ranks must agree on; mismatch errors quote it.
-  void allreduce(void* buf, size_t nbytes, DType dtype, Op op, std::string_view name = {});
+  // `send` (optional, nbytes like `buf`) makes the allreduce out of place.
+  void allreduce(void* buf, size_t nbytes, DType dtype, Op op, std::string_view name = {},
+                 const void* send = nullptr);
   void broadcast(void* buf, size_t nbytes, int root, std::string_view name = {});
   void allgatherv(const void* send, size_t send_bytes, void* recv,
                   const std::vector<uint64_t>& counts_bytes, std::string_view name = {});
@@ -86,12 +93,18 @@ class ShmEngine {
   size_t buffer_bytes() const { return half_bytes_; }
   bool overlaps_slot(const void* p, size_t nbytes) const;
 
+  // Whether large allreduces and allgathers read peers' buffers
+  // directly, and if not, why ("on" or "off: <reason>"); set by attach().
+  bool single_copy() const { return single_copy_; }
+  const std::string& single_copy_status() const { return single_copy_status_; }
+
   int local_rank() const { return me_; }
   int local_size() const { return n_; }
   const std::string& name() const { return opt_.name; }
 
  private:
   struct Header;
+  struct Probe;
   struct RankCtl;
 
   void begin(uint32_t kind, uint32_t op, uint32_t dtype, int32_t root, uint64_t nbytes,
@@ -109,8 +122,17 @@ class ShmEngine {
 
   RankCtl* ctl(int rank) const;
   uint8_t* data(int rank, int which) const;
-  void reduce_small(void* buf, size_t nbytes, DType dtype, Op op);
-  void reduce_chunked(uint8_t* buf, size_t nbytes, DType dtype, Op op, bool in_slot);
+  void reduce_small(void* buf, const void* send, size_t nbytes, DType dtype, Op op);
+  void reduce_chunked(uint8_t* buf, const uint8_t* send, size_t nbytes, DType dtype, Op op,
+                      bool in_slot);
+  void reduce_single_copy(uint8_t* buf, const uint8_t* send, size_t nbytes, DType dtype, Op op);
+  void probe_single_copy();
+  // The path this collective takes; every rank must take the same one.
+  uint32_t choose_path(size_t nbytes, bool in_slot) const;
+  // Copies nbytes at `remote` in local rank p's address space to `local`.
+  void read_peer(int p, void* local, uint64_t remote, size_t nbytes);
+  // Collects every rank's published addresses of the current collective.
+  void load_peer_addresses();
 
   EngineOptions opt_;
   EngineHooks hooks_;
@@ -127,6 +149,12 @@ class ShmEngine {
   uint64_t coll_ = 0;   // collectives begun so far
   int next_buf_ = 0;    // data buffer the next write uses
   std::vector<const void*> srcs_;
+  bool single_copy_ = false;
+  std::string single_copy_status_ = "off: not attached";
+  uint64_t probe_value_ = 0;         // what peers must read at &probe_value_
+  std::vector<uint64_t> peer_src_;  // peers' source buffers in their address spaces
+  std::vector<uint64_t> peer_dst_;  // peers' destination buffers
+  std::vector<uint8_t> pieces_;     // peers' pieces of this rank's share, read in turn
 };
 
 }  // namespace kd

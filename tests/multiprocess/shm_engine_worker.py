@@ -45,9 +45,15 @@ def make_transport(args, **settings):
     else:
         local = machine
     cross = world.Split(color=local.Get_rank(), key=RANK)
-    config = Config(shm_slot_bytes=args.slot_bytes, job_id=args.job, **settings)
+    config = Config(shm_slot_bytes=args.slot_bytes, job_id=args.job,
+                    shm_single_copy=args.single_copy, shm_single_copy_bytes=args.single_copy_bytes,
+                    **settings)
     transport = ShmTransport(local, cross if cross.Get_size() > 1 else None, config)
     assert transport.rank == RANK and transport.size == SIZE
+    if args.expect_single_copy is not None:
+        want = args.expect_single_copy and local.Get_size() > 1
+        assert transport.single_copy_status.startswith("on" if want else "off"), (
+            transport.single_copy_status)
     return transport
 
 
@@ -83,8 +89,12 @@ def check_allreduce(transport, dtype, op, size, seed, exact):
     inputs = [rank_data(dtype, size, r, op, seed) for r in range(SIZE)]
     buf = inputs[RANK].copy()
     transport.allreduce(buf, op)
-    want = reference(inputs, dtype, op)
     label = f"allreduce {np.dtype(dtype).name} {_dtypes.OP_NAMES[op]} size {size}"
+    check_against(buf, inputs, dtype, op, exact, label)
+
+
+def check_against(buf, inputs, dtype, op, exact, label):
+    want = reference(inputs, dtype, op)
     if exact or np.dtype(dtype).kind in "iu" or op in (_dtypes.MIN, _dtypes.MAX):
         assert np.array_equal(buf.view(np.uint8), want.view(np.uint8)), label
     else:  # hierarchical: another summation order; compare with float64
@@ -129,6 +139,16 @@ def mode_correctness(args):
     transport.allreduce(buf, _dtypes.SUM)
     want = ((np.arange(big) % 1000) * 0.25 * SIZE + SIZE * (SIZE - 1) / 2).astype(np.float32)
     assert np.array_equal(buf, want), "allreduce 12M float32"
+    # Out of place: `send` is read, left as it was, and the sum lands in `buf`.
+    for dtype in (np.float32, np.float16):
+        for size in (5, 20011, 300_001):
+            inputs = [rank_data(dtype, size, r, _dtypes.SUM, size) for r in range(SIZE)]
+            send = inputs[RANK].copy()
+            out = np.full(size, 7, dtype)
+            transport.allreduce(out, _dtypes.SUM, send=send)
+            label = f"out-of-place allreduce {np.dtype(dtype).name} size {size}"
+            assert np.array_equal(send, inputs[RANK]), label + ": send changed"
+            check_against(out, inputs, dtype, _dtypes.SUM, exact, label)
     # Scratch: pack into the shared slot, reduce without a copy in.
     for count in (3, 5000, 100_000):
         scratch = transport.scratch(count * 4).view(np.float32)
@@ -215,6 +235,86 @@ def mode_mismatch(args):
     transport.close()
 
 
+def mode_mismatch_paths(args):
+    """One rank reduces its scratch() buffer, the others a buffer of their own."""
+    transport = make_transport(args)
+    for count in (8, 100_000):
+        buf = transport.scratch(count * 4).view(np.float32) if RANK == 0 else np.empty(
+            count, np.float32)
+        buf[:] = 1
+        try:
+            transport.allreduce(buf, _dtypes.SUM)
+        except errors.CollectiveMismatchError as exc:
+            message = str(exc)
+            assert "take different paths" in message and "rank 0 in shared memory" in message, (
+                message)
+            assert "scratch()" in message, message
+        else:
+            raise AssertionError(f"no mismatch error for differing paths at count {count}")
+        buf = np.ones(5, np.float32)
+        transport.allreduce(buf, _dtypes.SUM)
+        assert np.all(buf == SIZE)
+    transport.close()
+
+
+def check_still_exact(transport, label):
+    for size in (3, 1_000_003):
+        check_allreduce(transport, np.float32, _dtypes.SUM, size, size, True)
+        counts = [size + r for r in range(SIZE)]
+        parts = [rank_data(np.int64, c, r, _dtypes.SUM, 9) for r, c in enumerate(counts)]
+        recv = np.empty(sum(counts), np.int64)
+        transport.allgatherv(parts[RANK], recv, counts)
+        assert np.array_equal(recv, np.concatenate(parts)), f"{label}: allgatherv {counts}"
+
+
+def mode_fallback_disabled(args):
+    """Single copy turned off on one rank only: every rank takes the copy path."""
+    args.single_copy = "off" if RANK == SIZE - 1 else "auto"
+    transport = make_transport(args)
+    status = transport.single_copy_status
+    assert status == f"off: disabled on rank {SIZE - 1}", status
+    check_still_exact(transport, "disabled on one rank")
+    transport.close()
+
+
+def mode_fallback_unreadable(args):
+    """Rank 0 is given another process's pid for rank 1: its probe read fails
+    (or finds the wrong value), and every rank takes the copy path."""
+    import subprocess
+
+    from keras_dist import _native
+    from keras_dist.backends.shm import segment_name
+
+    assert SIZE == 2
+    stranger = subprocess.Popen(["sleep", "120"]) if RANK == 0 else None
+    try:
+        pids = world.allgather(os.getpid())
+        if RANK == 0:
+            pids[1] = stranger.pid  # alive, so liveness checks pass; not rank 1
+        name = world.bcast(segment_name(args.job) if RANK == 0 else None, root=0)
+        engine = None
+        if RANK == 0:
+            engine = _native.ShmEngine(name, True, 0, 2, 1 << 20, pids)
+        world.Barrier()
+        if RANK == 1:
+            engine = _native.ShmEngine(name, False, 1, 2, 1 << 20, pids)
+        engine.attach()
+        assert not engine.single_copy, engine.single_copy_status
+        status = engine.single_copy_status
+        assert status.startswith("off: local rank 0 cannot read the memory of local rank 1") or (
+            "names another process" in status), status
+        for count in (3, 2_000_003):
+            buf = np.full(count, RANK + 1.0, np.float32)
+            engine.allreduce(buf, _dtypes.FLOAT32, _dtypes.SUM)
+            assert np.all(buf == 3.0), f"allreduce {count} after a failed probe"
+        engine.unlink()
+        del engine
+    finally:
+        if stranger is not None:
+            stranger.kill()
+            stranger.wait()
+
+
 def mode_mismatch_machines(args):
     """Machines that disagree: every rank raises, naming the machines' leaders."""
     transport = make_transport(args)
@@ -298,7 +398,7 @@ def mode_death(args):
         os._exit(3)
     start = time.monotonic()
     try:
-        transport.allreduce(np.ones(3, np.float32), _dtypes.SUM)
+        transport.allreduce(np.ones(args.death_count, np.float32), _dtypes.SUM)
     except errors.PeerFailureError as exc:
         assert "rank 1" in str(exc) and "died" in str(exc), str(exc)
         assert time.monotonic() - start < 5
@@ -315,6 +415,10 @@ def main():
     parser.add_argument("--slot-bytes", type=int, default=16 << 20)
     parser.add_argument("--repeat", type=int, default=10_000)
     parser.add_argument("--job", default="")
+    parser.add_argument("--single-copy", choices=("auto", "off"), default="auto")
+    parser.add_argument("--single-copy-bytes", type=int, default=1 << 20)
+    parser.add_argument("--death-count", type=int, default=3)
+    parser.add_argument("--expect-single-copy", type=int, choices=(0, 1), default=None)
     args = parser.parse_args()
     args.job = world.bcast(args.job or f"t{os.getpid()}", root=0)
     globals()[f"mode_{args.mode}"](args)

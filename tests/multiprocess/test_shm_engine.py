@@ -57,6 +57,12 @@ def run_ranks(nranks, mode, *extra, mpiexec_flags=(), timeout=180):
         (2, ("--slot-bytes", "65536")),  # many chunks per message
         (4, ("--ranks-per-node", "2")),  # two pretend machines
         (3, ("--ranks-per-node", "2")),  # uneven machines
+        # Single-copy reads from 4 KiB up, and never.
+        (2, ("--single-copy-bytes", "4096", "--expect-single-copy", "1")),
+        (3, ("--single-copy-bytes", "4096", "--expect-single-copy", "1")),
+        (4, ("--single-copy-bytes", "4096", "--expect-single-copy", "1")),
+        (3, ("--single-copy-bytes", "4096", "--ranks-per-node", "2")),
+        (2, ("--single-copy", "off", "--expect-single-copy", "0")),
     ],
 )
 def test_collectives_match_numpy(nranks, extra):
@@ -72,6 +78,7 @@ def test_collectives_match_numpy(nranks, extra):
         (2, ()),  # 10,000 back-to-back small allreduces
         (4, ("--repeat", "3000")),
         (3, ("--ranks-per-node", "2", "--repeat", "2000")),
+        (3, ("--single-copy-bytes", "4096", "--repeat", "1000")),
     ],
 )
 def test_interleaved_and_many_small_collectives(nranks, extra):
@@ -86,6 +93,21 @@ def test_mismatch_raises_on_every_rank(nranks):
     done, output, _ = run_ranks(nranks, "mismatch")
     assert done.returncode == 0, output
     assert done.stdout.count("OK mismatch") == nranks, output
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_ranks_taking_different_paths_raise_on_every_rank(nranks):
+    done, output, _ = run_ranks(nranks, "mismatch_paths")
+    assert done.returncode == 0, output
+    assert done.stdout.count("OK mismatch_paths") == nranks, output
+
+
+@pytest.mark.parametrize("nranks, mode", [(3, "fallback_disabled"), (2, "fallback_unreadable")])
+def test_single_copy_falls_back_to_copies_on_every_rank(nranks, mode):
+    done, output, leftovers = run_ranks(nranks, mode)
+    assert done.returncode == 0, output
+    assert done.stdout.count(f"OK {mode}") == nranks, output
+    assert not leftovers, f"segments left in /dev/shm: {leftovers}\n{output}"
 
 
 @pytest.mark.parametrize("nranks, per_machine", [(2, 1), (4, 2), (3, 2)])
@@ -104,8 +126,10 @@ def test_stall_timeout_and_interrupt(mode):
     assert done.stdout.count(f"OK {mode}") == 2, output
 
 
-def test_dead_peer_raises_on_survivors():
-    done, output, leftovers = run_ranks(3, "death", mpiexec_flags=("-disable-auto-cleanup",))
+@pytest.mark.parametrize("count", [3, 1_000_000])  # the one-round and the single-copy path
+def test_dead_peer_raises_on_survivors(count):
+    done, output, leftovers = run_ranks(3, "death", "--death-count", str(count),
+                                        mpiexec_flags=("-disable-auto-cleanup",))
     # The dead rank's exit status is the job's; the survivors must report.
     assert done.stdout.count("OK death") == 2, output
     assert not leftovers, f"segments left in /dev/shm: {leftovers}\n{output}"

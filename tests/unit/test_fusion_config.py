@@ -43,7 +43,17 @@ def test_config_reads_keras_dist_and_horovod_spellings(monkeypatch):
     assert Config.from_env().fusion_threshold_bytes == 2048
 
 
+def test_config_reads_single_copy_settings(monkeypatch):
+    assert Config.from_env().shm_single_copy == "auto"
+    assert Config.from_env().shm_single_copy_bytes == 1 << 20
+    monkeypatch.setenv("KERAS_DIST_SHM_SINGLE_COPY", "OFF")
+    monkeypatch.setenv("KERAS_DIST_SHM_SINGLE_COPY_BYTES", "65536")
+    config = Config.from_env()
+    assert config.shm_single_copy == "off" and config.shm_single_copy_bytes == 65536
+
+
 @pytest.mark.parametrize("name, value, message", [
+    ("KERAS_DIST_SHM_SINGLE_COPY", "always", "must be one of"),
     ("KERAS_DIST_CPU_OPERATIONS", "gloo", "must be one of"),
     ("KERAS_DIST_FUSION_THRESHOLD", "lots", "must be a number"),
     ("KERAS_DIST_FUSION_THRESHOLD", "1.5", "whole number"),
