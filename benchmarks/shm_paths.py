@@ -57,11 +57,11 @@ def main() -> None:
         buf = np.empty(count, np.float32)
         recv = np.empty(count * size, np.float32)
 
-        def call(transport):
+        def call(transport, buf=buf, mine=mine, recv=recv, counts=[count] * size):
             if args.collective == "allreduce":
                 transport.allreduce(buf, _dtypes.SUM, send=mine)
             else:
-                transport.allgatherv(mine, recv, [count] * size)
+                transport.allgatherv(mine, recv, counts)
 
         iters = max(3, min(1000, (1 << 28) // max(nbytes, 1) // 8))
         seconds = {name: [] for name in paths}

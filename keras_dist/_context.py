@@ -150,9 +150,10 @@ def shutdown() -> None:
         group, _group = _group, None
         if group is None:
             return
-        from keras_dist import timeline
+        from keras_dist import _outputs, timeline
 
         timeline.stop_timeline()
+        _outputs.POOL.clear()
         for transport in (group.gpu_transport, group.transport):
             if transport is not None:
                 transport.close()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from keras_dist import _context, _dtypes, fusion, timeline
+from keras_dist import _context, _dtypes, _outputs, fusion, timeline
 
 #: Transport calls made by this process, by collective ("allreduce", ...).
 #: One fused bucket is one call. Tests count collectives with it.
@@ -251,7 +251,7 @@ def _allreduce_numpy(x: np.ndarray, op: ReduceOp, prescale: float, postscale: fl
     _check_allreduce_inputs([x], prescale, postscale)
     if group.size == 1:
         return x if prescale * postscale == 1.0 else x * (prescale * postscale)
-    out = np.empty(x.shape, x.dtype)
+    out = _outputs.POOL.empty(x.shape, x.dtype)
     send = None  # the transport reads ``x`` itself: no copy into ``out`` first
     if prescale != 1.0:
         np.multiply(x, prescale, out=out, casting="unsafe")
@@ -373,7 +373,7 @@ def _allgather_array(array: np.ndarray, name: str) -> np.ndarray:
             f"dimension on every rank. Received: {detail}"
         )
     counts = [int(np.prod(shape)) for shape in shapes]
-    out = np.empty((sum(shape[0] for shape in shapes), *array.shape[1:]), array.dtype)
+    out = _outputs.POOL.empty((sum(shape[0] for shape in shapes), *array.shape[1:]), array.dtype)
     with timeline.activity(name, "allgather", out.nbytes):
         group.transport.allgatherv(array.reshape(-1), out.reshape(-1), counts, name=name)
     COUNTERS["allgather"] += 1

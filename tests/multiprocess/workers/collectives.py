@@ -105,6 +105,25 @@ def test_allreduce_large():
               reference(op, inputs), inputs)
 
 
+def test_large_outputs_reused_only_when_released():
+    # Results of 32 MiB and more come from recycled blocks: results still held
+    # must survive later calls, and released ones are reused.
+    count = (32 << 20) // 4 + 5
+    held = []
+    for case in range(3):
+        inputs = [contribution(3000 + case, r, count, np.float32, kd.Sum) for r in range(SIZE)]
+        held.append((kd.allreduce(inputs[RANK], op=kd.Sum), inputs))
+    for i, (result, inputs) in enumerate(held):
+        check(f"held 32 MiB result {i}", result, reference(kd.Sum, inputs), inputs)
+    address = held[0][0].ctypes.data
+    del held, result
+    inputs = [contribution(3100, r, count, np.float32, kd.Min) for r in range(SIZE)]
+    again = kd.allreduce(inputs[RANK], op=kd.Min)
+    check("32 MiB result in a released block", again, reference(kd.Min, inputs), inputs)
+    if SIZE > 1:
+        assert again.ctypes.data == address, "a released 32 MiB result was not reused"
+
+
 def test_scaling_and_scalars():
     inputs = [contribution(2000, r, 513, np.float32, kd.Sum) for r in range(SIZE)]
     result = kd.allreduce(inputs[RANK], op=kd.Average, prescale_factor=0.5, postscale_factor=3.0)
