@@ -12,6 +12,7 @@ the pool's own is unused. ``kd.shutdown()`` empties it.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 
@@ -39,11 +40,13 @@ class OutputPool:
         # References to an unused block: the pool's list and getrefcount's argument.
         return sys.getrefcount(self._blocks[i]) <= 2
 
-    def empty(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
-        """An uninitialised C-contiguous array, from a recycled block when one is free."""
-        dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if not self.enabled or nbytes < self.min_bytes or nbytes > self.max_bytes:
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """An uninitialised C-contiguous array, from a recycled block when one is free.
+
+        ``dtype`` must be a ``np.dtype`` (as ``array.dtype`` is).
+        """
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < self.min_bytes or nbytes > self.max_bytes or not self.enabled:
             return np.empty(shape, dtype)
         with self._lock:
             blocks = self._blocks

@@ -4,19 +4,21 @@ import numpy as np
 
 from keras_dist._outputs import OutputPool
 
+F32 = np.dtype(np.float32)
+
 
 def test_pool_reuses_a_block_only_after_every_view_is_gone():
     pool = OutputPool(min_bytes=1024, max_bytes=1 << 20)
-    a = pool.empty((256,), np.float32)
-    b = pool.empty((256,), np.float32)
+    a = pool.empty((256,), F32)
+    b = pool.empty((256,), F32)
     assert not np.shares_memory(a, b)
     view = a[10:].reshape(-1, 3)
     del a
-    c = pool.empty((16, 16), np.float32)
+    c = pool.empty((16, 16), F32)
     assert not np.shares_memory(c, view) and not np.shares_memory(c, b)
     kept = np.asarray(view).ctypes.data
     del view
-    d = pool.empty((64, 4), np.float32)
+    d = pool.empty((64, 4), F32)
     assert d.ctypes.data <= kept < d.ctypes.data + d.nbytes  # a's block, now unused
     d[:] = 7.0
     assert np.all(d == 7.0) and d.shape == (64, 4) and d.flags.c_contiguous
@@ -24,13 +26,13 @@ def test_pool_reuses_a_block_only_after_every_view_is_gone():
 
 def test_pool_bounds_its_memory_and_skips_small_or_huge_arrays():
     pool = OutputPool(min_bytes=1024, max_bytes=4096)
-    small = pool.empty((10,), np.float64)
-    huge = pool.empty((2048,), np.float64)
+    small = pool.empty((10,), np.dtype(np.float64))
+    huge = pool.empty((2048,), np.dtype(np.float64))
     assert small.base is None and huge.base is None  # plain arrays, not pooled
-    held = [pool.empty((256,), np.float32) for _ in range(5)]  # 1 KiB each, 4 KiB cap
+    held = [pool.empty((256,), F32) for _ in range(5)]  # 1 KiB each, 4 KiB cap
     assert sum(a.base is not None for a in held) == 4
     del held
-    again = pool.empty((512,), np.float32)  # 2 KiB: drops unused 1 KiB blocks to fit
+    again = pool.empty((512,), F32)  # 2 KiB: drops unused 1 KiB blocks to fit
     assert again.base is not None and sum(b.nbytes for b in pool._blocks) <= 4096
     again[:] = 1.0
     pool.clear()
