@@ -97,6 +97,12 @@ class RankStatus:
                 return line
         return lines[-1]
 
+    @property
+    def is_peer_failure(self) -> bool:
+        """The rank raised PeerFailureError: it saw another rank die or abort."""
+        summary = self.error_summary
+        return summary is not None and "PeerFailureError:" in summary
+
     def describe(self) -> str:
         """``"rank 1 (pid 1234 on host)"``, with what is known."""
         where = []

@@ -385,7 +385,8 @@ class _RankWatcher:
         self._watched: set[int] = set()  # pids
         self._next_scan = 0.0
         self.statuses: dict[int, _jobstatus.RankStatus] = {}
-        #: Ranks in the order their processes exited while no rank had reported an error.
+        #: Ranks in the order their processes exited while no rank had reported an
+        #: error other than PeerFailureError.
         self.exit_order: list[int] = []
         #: rank -> (pid, monotonic time) of rank processes that exited before init().
         self.exited_before_init: dict[int, tuple[int, float]] = {}
@@ -450,7 +451,10 @@ class _RankWatcher:
         if self.alive.get(rank) == pid:
             del self.alive[rank]
         self._read_status()
-        no_error_yet = all(status.error is None for status in self.statuses.values())
+        # A rank that saw a peer die (PeerFailureError) may report before the
+        # peer's exit is seen here: only other errors end the exit order.
+        no_error_yet = all(status.error is None or status.is_peer_failure
+                           for status in self.statuses.values())
         if rank not in self.exit_order and no_error_yet:
             self.exit_order.append(rank)
         if rank not in self.statuses:
@@ -541,7 +545,8 @@ def describe_failure(
         statuses: what the ranks reported (``_jobstatus.read_status``).
         num_proc: the job's number of ranks.
         exit_order: ranks in the order their processes were seen to exit
-            while no rank had yet reported an exception. The first of them
+            while no rank had yet reported an exception other than
+            PeerFailureError. The first of them
             that did not finish is the one that died: the others were
             stopped after it (by mpiexec, or by an error raised because of it).
         returncode: mpiexec's exit status.

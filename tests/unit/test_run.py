@@ -396,3 +396,21 @@ def test_exit_rank_tells_a_killed_process_from_one_that_exited():
         exited.wait()
         killed.wait()
     assert run._exit_rank(killed.pid) == 1
+
+
+def test_exit_order_continues_past_a_peer_failure_but_not_past_other_errors(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv(_jobstatus.STATUS_DIR_ENV, str(tmp_path))
+    for rank in range(3):
+        _jobstatus.record_start(rank)
+    watcher = run._RankWatcher(str(tmp_path), "job", 3, all_local=True)
+    # Rank 0 saw rank 1 die and reported it before rank 1's exit was seen.
+    _jobstatus.record_error(0, "Traceback\nkeras_dist.errors.PeerFailureError: rank 1 died\n")
+    watcher._record_exit(1, 101)
+    assert watcher.exit_order == [1]
+    # After any other error, exits are consequences: the order stops.
+    _jobstatus.record_error(2, "Traceback\nValueError: v\n")
+    watcher._record_exit(0, 100)
+    assert watcher.exit_order == [1]
+    lines = run.describe_failure(watcher.statuses, 3, watcher.exit_order, 9)
+    assert lines[0].startswith("kdrun: rank 1 (pid ") and "ended without finishing" in lines[0]
