@@ -402,9 +402,16 @@ class _RankWatcher:
             ready, _, _ = select.select(list(self._fds), [], [], timeout)
         except (OSError, ValueError):
             return
-        # Exits seen together (kdrun was not scheduled in between): a rank
-        # killed by a signal goes before one that exited or aborted because of it.
-        for fd in sorted(ready, key=lambda fd: _exit_rank(self._fds[fd][1])):
+        # Exits seen together (kdrun was not scheduled in between): see _exit_rank.
+        # Among equals, a rank that reported seeing a peer fail went after it.
+        self._read_status()
+
+        def order(fd):
+            rank, pid = self._fds[fd]
+            status = self.statuses.get(rank)
+            return _exit_rank(pid), status is not None and status.is_peer_failure
+
+        for fd in sorted(ready, key=order):
             self._exited(fd)
 
     def close(self) -> None:
@@ -507,20 +514,27 @@ _HARD_SIGNALS = {signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, s
 
 
 def _exit_rank(pid: int) -> int:
-    """0: killed by a hard signal; 1: unknown (already reaped); 2: exited or aborted.
+    """Where an exit seen together with others goes in the exit order.
 
-    Read from the zombie's /proc/<pid>/stat (exit_code, field 52), which
-    lasts until its parent reaps it.
+    0: already reaped; 1: a zombie killed by a hard signal; 2: a zombie that
+    exited or aborted. hydra's proxy reaps a rank that died (it needs the
+    exit status) before it has the others killed, so a reaped rank went
+    first; a rank killed by a signal goes before one that exited or aborted
+    because of it. Read from /proc/<pid>/stat (state, and exit_code in field
+    52), which lasts until the parent reaps the zombie.
     """
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
             fields = handle.read().rpartition(")")[2].split()
+    except OSError:
+        return 0
+    try:
         if fields[0] != "Z":
-            return 1
+            return 0
         status = int(fields[49])
-    except (OSError, ValueError, IndexError):
-        return 1
-    return 0 if (status & 0x7F) in _HARD_SIGNALS else 2
+    except (ValueError, IndexError):
+        return 0
+    return 1 if (status & 0x7F) in _HARD_SIGNALS else 2
 
 
 def _parent_pid(pid: int) -> int | None:

@@ -380,7 +380,7 @@ def test_error_summary_finds_the_exception_line_in_a_tensorflow_traceback():
     assert _jobstatus.RankStatus(rank=0, error="\n").error_summary == "(empty traceback)"
 
 
-def test_exit_rank_tells_a_killed_process_from_one_that_exited():
+def test_exit_rank_puts_reaped_then_killed_then_exited_processes():
     exited = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     killed.kill()
@@ -390,12 +390,12 @@ def test_exit_rank_tells_a_killed_process_from_one_that_exited():
                 if handle.read().rpartition(")")[2].split()[0] == "Z":
                     break
     try:
-        assert run._exit_rank(killed.pid) == 0
+        assert run._exit_rank(killed.pid) == 1
         assert run._exit_rank(exited.pid) == 2
     finally:
         exited.wait()
         killed.wait()
-    assert run._exit_rank(killed.pid) == 1
+    assert run._exit_rank(killed.pid) == 0  # reaped: its parent saw it end first
 
 
 def test_exit_order_continues_past_a_peer_failure_but_not_past_other_errors(
