@@ -173,6 +173,18 @@ class ShmTransport(Transport):
                 {"dtype": buf.dtype.name, "count": buf.size, "op": _dtypes.OP_NAMES.get(op, op),
                  "name": name},
             )
+        if self._hierarchical and _dtypes.is_half(buf.dtype):
+            # Both levels reduce in float32 and the result is rounded once, as
+            # on one machine (the wider messages cost twice the bytes).
+            wide = (buf if send is None else send).astype(np.float32)
+            self._reduce(engine, wide, _dtypes.FLOAT32, op, name, None)
+            buf[...] = wide.astype(buf.dtype)
+        else:
+            self._reduce(engine, buf, code, op, name, send)
+
+    def _reduce(self, engine, buf: np.ndarray, code: int, op: int, name: str | None,
+                send: np.ndarray | None) -> None:
+        """The engine's allreduce, then (hierarchical) the leaders' and a broadcast."""
         try:
             # The engine takes any buffer of the dtype's item size; numpy cannot
             # export bfloat16 buffers, so those travel as bytes.
