@@ -388,6 +388,9 @@ class _RankWatcher:
         #: Ranks in the order their processes exited while no rank had reported an
         #: error other than PeerFailureError.
         self.exit_order: list[int] = []
+        #: Ranks that may each have been the first to exit: seen in the same
+        #: wake-up with nothing to tell their order (empty when it was clear).
+        self.first_tied: list[int] = []
         #: rank -> (pid, monotonic time) of rank processes that exited before init().
         self.exited_before_init: dict[int, tuple[int, float]] = {}
         #: rank -> pid of rank processes alive now.
@@ -411,7 +414,13 @@ class _RankWatcher:
             status = self.statuses.get(rank)
             return _exit_rank(pid), status is not None and status.is_peer_failure
 
-        for fd in sorted(ready, key=order):
+        keys = {fd: order(fd) for fd in ready}
+        ranked = sorted(ready, key=keys.get)
+        if not self.exit_order and len(ranked) > 1:
+            self.first_tied = [self._fds[fd][0] for fd in ranked if keys[fd] == keys[ranked[0]]]
+            if len(self.first_tied) < 2:
+                self.first_tied = []
+        for fd in ranked:
             self._exited(fd)
 
     def close(self) -> None:
@@ -552,6 +561,7 @@ def _ranks(ranks: list[int]) -> str:
 def describe_failure(
     statuses: dict[int, _jobstatus.RankStatus], num_proc: int, exit_order: list[int],
     returncode: int, exited_before_init: dict[int, int] | None = None,
+    first_tied: list[int] | None = None,
 ) -> list[str]:
     """kdrun's lines explaining a failed job, one per failed rank.
 
@@ -566,6 +576,8 @@ def describe_failure(
         returncode: mpiexec's exit status.
         exited_before_init: ``{rank: pid}`` of rank processes seen to exit
             before they reported starting.
+        first_tied: ranks whose exits were seen at once, first, with nothing
+            to tell which came first: all are named, none blamed alone.
     """
     lines = []
     exited_before_init = exited_before_init or {}
@@ -589,14 +601,24 @@ def describe_failure(
     died = [] if died_before_init else [
         statuses[rank] for rank in exit_order if rank in statuses and statuses[rank] in unfinished
     ][:1]
-    if not died and not errors and not died_before_init:
-        # No exit was seen (ranks on other hosts): every unfinished rank is a suspect.
-        died = unfinished
-    for status in died:
+    tied = [statuses[rank] for rank in first_tied or ()
+            if rank in statuses and statuses[rank] in unfinished]
+    if died and len(tied) > 1 and died[0] in tied:
+        died = tied
         lines.append(
-            f"kdrun: {status.describe()} ended without finishing: "
-            "killed by a signal or exited early"
+            f"kdrun: {' or '.join(s.describe() for s in tied)} ended without finishing: "
+            "killed by a signal or exited early (their exits reached kdrun at once, so "
+            "which came first is unknown)"
         )
+    else:
+        if not died and not errors and not died_before_init:
+            # No exit was seen (ranks on other hosts): every unfinished rank is a suspect.
+            died = unfinished
+        for status in died:
+            lines.append(
+                f"kdrun: {status.describe()} ended without finishing: "
+                "killed by a signal or exited early"
+            )
     for status in errors:
         lines.append(f"kdrun: {status.describe()} raised an exception: {status.error_summary}")
     stopped = [s.rank for s in unfinished if s not in died]
@@ -682,7 +704,7 @@ def launch(options: LaunchOptions) -> int:
         elif returncode != 0:
             before_init = {rank: pid for rank, (pid, _) in watcher.exited_before_init.items()}
             for line in describe_failure(statuses, options.num_proc, watcher.exit_order,
-                                         returncode, before_init):
+                                         returncode, before_init, watcher.first_tied):
                 _say(line)
         return returncode
     finally:

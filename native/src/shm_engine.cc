@@ -739,7 +739,9 @@ void ShmEngine::reduce_single_copy(uint8_t* buf, const uint8_t* send, size_t nby
   // Allgather: read every peer's reduced share straight into `buf`.
   for (int p = 0; p < n_; ++p) {
     const size_t lo = share_lo(p), hi = share_hi(p);
-    if (p != me_ && hi > lo) read_peer(p, buf + lo * esize, peer_dst_[size_t(p)] + lo * esize, (hi - lo) * esize);
+    if (p != me_ && hi > lo) {
+      read_peer(p, buf + lo * esize, peer_dst_[size_t(p)] + lo * esize, (hi - lo) * esize);
+    }
   }
   // Peers may still be reading this rank's buffers until they publish this step.
   publish();

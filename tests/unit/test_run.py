@@ -414,3 +414,34 @@ def test_exit_order_continues_past_a_peer_failure_but_not_past_other_errors(
     assert watcher.exit_order == [1]
     lines = run.describe_failure(watcher.statuses, 3, watcher.exit_order, 9)
     assert lines[0].startswith("kdrun: rank 1 (pid ") and "ended without finishing" in lines[0]
+
+
+def test_describe_names_every_rank_whose_exits_could_not_be_ordered():
+    statuses = {r: _status(r) for r in range(3)}
+    lines = run.describe_failure(statuses, 3, [0, 1, 2], 9, first_tied=[0, 1])
+    assert lines == [
+        "kdrun: rank 0 (pid 100 on h) or rank 1 (pid 101 on h) ended without finishing: "
+        "killed by a signal or exited early (their exits reached kdrun at once, so which "
+        "came first is unknown)",
+        "kdrun: rank 2 stopped when the job ended.",
+    ]
+    # A tie behind a clear first exit changes nothing.
+    lines = run.describe_failure(statuses, 3, [2, 0, 1], 9, first_tied=[])
+    assert lines[0].startswith("kdrun: rank 2 (pid 102 on h) ended without finishing")
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open (Linux 5.3+)")
+def test_watcher_records_exits_it_cannot_order(tmp_path):
+    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+                for _ in range(2)]
+    watcher = run._RankWatcher(str(tmp_path), "job", 2, all_local=True)
+    for rank, child in enumerate(children):
+        watcher._watch(rank, child.pid)
+    for child in children:  # both end and are reaped before the watcher looks
+        child.kill()
+        child.wait()
+    watcher._next_scan = float("inf")
+    watcher.poll(1.0)
+    watcher.close()
+    assert sorted(watcher.exit_order) == [0, 1]
+    assert sorted(watcher.first_tied) == [0, 1]
