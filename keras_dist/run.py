@@ -416,10 +416,9 @@ class _RankWatcher:
 
         keys = {fd: order(fd) for fd in ready}
         ranked = sorted(ready, key=keys.get)
-        if not self.exit_order and len(ranked) > 1:
-            self.first_tied = [self._fds[fd][0] for fd in ranked if keys[fd] == keys[ranked[0]]]
-            if len(self.first_tied) < 2:
-                self.first_tied = []
+        if not self.exit_order and ranked:
+            tied = [self._fds[fd][0] for fd in ranked if keys[fd] == keys[ranked[0]]]
+            self.first_tied = tied if len(tied) > 1 else []
         for fd in ranked:
             self._exited(fd)
 
@@ -535,13 +534,10 @@ def _exit_rank(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
             fields = handle.read().rpartition(")")[2].split()
-    except OSError:
-        return 0
-    try:
         if fields[0] != "Z":
             return 0
         status = int(fields[49])
-    except (ValueError, IndexError):
+    except (OSError, ValueError, IndexError):
         return 0
     return 1 if (status & 0x7F) in _HARD_SIGNALS else 2
 

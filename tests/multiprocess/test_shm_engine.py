@@ -95,13 +95,6 @@ def test_mismatch_raises_on_every_rank(nranks):
     assert done.stdout.count("OK mismatch") == nranks, output
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
-def test_ranks_taking_different_paths_raise_on_every_rank(nranks):
-    done, output, _ = run_ranks(nranks, "mismatch_paths")
-    assert done.returncode == 0, output
-    assert done.stdout.count("OK mismatch_paths") == nranks, output
-
-
 @pytest.mark.parametrize("nranks, mode", [(3, "fallback_disabled"), (2, "fallback_unreadable")])
 def test_single_copy_falls_back_to_copies_on_every_rank(nranks, mode):
     done, output, leftovers = run_ranks(nranks, mode)
