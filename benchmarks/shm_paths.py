@@ -21,9 +21,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from keras_dist import _dtypes
+from keras_dist import _vocab as _dtypes
 from keras_dist._config import Config
-from keras_dist.backends.shm import ShmTransport
+from keras_dist.transports.shm import ShmTransport
 
 
 def main() -> None:

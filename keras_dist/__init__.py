@@ -17,8 +17,10 @@ Launch with ``kdrun -np 4 python train.py``.
 
 from __future__ import annotations
 
-from keras_dist._context import get as _get
-from keras_dist._context import init, is_initialized, shutdown
+from keras_dist._lifecycle import init, shutdown
+from keras_dist._runtime.context import get as _get
+from keras_dist._runtime.context import is_initialized
+from keras_dist._runtime.timeline import start_timeline, stop_timeline
 from keras_dist.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -45,15 +47,14 @@ from keras_dist.ops import (
     broadcast_variables,
     grouped_allreduce,
 )
-from keras_dist.timeline import start_timeline, stop_timeline
 
 __version__ = "0.1.0"
 
 # The Keras layer imports Keras (and so its backend, e.g. TensorFlow), which
 # takes seconds: it loads on first use, so the collectives alone stay light.
 _LAZY = {
-    "DistributedOptimizer": ("keras_dist.optimizer", "DistributedOptimizer"),
-    "load_model": ("keras_dist.keras_utils", "load_model"),
+    "DistributedOptimizer": ("keras_dist._keras.optimizer", "DistributedOptimizer"),
+    "load_model": ("keras_dist._keras.saving", "load_model"),
     "shard": ("keras_dist.data", "shard"),
     "callbacks": ("keras_dist.callbacks", None),
 }

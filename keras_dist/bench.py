@@ -427,11 +427,10 @@ class _Case:
         if collective == "allreduce" and args.inplace:
             # Both sides reduce a preallocated buffer in place: the transport
             # (the native engine, or keras_dist's MPI transport) against MPI itself.
-            from keras_dist import _dtypes
+            from keras_dist import _vocab
 
             transport = kd._get().transport
-            code = {"sum": _dtypes.SUM, "min": _dtypes.MIN, "max": _dtypes.MAX,
-                    "product": _dtypes.PRODUCT}[args.op]
+            code = _vocab.TRANSPORT_OPS[kd_op]
             self.kd_buf, self.mpi_recv = x.copy(), x.copy()
 
             def kd_call():

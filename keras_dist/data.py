@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from keras_dist import _context
+from keras_dist._runtime import context
 
 
 def _local_range(count: int, rank: int, size: int) -> tuple[int, int]:
@@ -38,7 +38,7 @@ def _local_indices(n: int, rank: int, size: int, batch_size: int | None,
 
 def _check(batch_size, rank, size):
     if rank is None or size is None:
-        group = _context.get()
+        group = context.get()
         rank = group.rank if rank is None else rank
         size = group.size if size is None else size
     if not 0 <= rank < size:

@@ -43,7 +43,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from keras_dist.run import find_job_processes, kill_processes_with_env
+from keras_dist.launcher.cleanup import find_job_processes, kill_processes_with_env
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TAG_ENV = "KERAS_DIST_TEST_TAG"

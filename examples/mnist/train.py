@@ -73,9 +73,6 @@ def main():
     import keras
 
     import keras_dist as kd
-    from keras_dist import callbacks as kd_callbacks
-    from keras_dist.data import shard
-    from keras_dist.optimizer import DistributedOptimizer
 
     kd.init()
     start = time.monotonic()
@@ -86,7 +83,7 @@ def main():
               f"from {source}", flush=True)
     x_train = x_train.astype("float32") / 255.0
     x_test = x_test.astype("float32") / 255.0
-    x_local, y_local = shard((x_train, y_train), batch_size=args.batch_size,
+    x_local, y_local = kd.shard((x_train, y_train), batch_size=args.batch_size,
                              drop_remainder=True)
 
     keras.utils.set_random_seed(1234 + kd.rank())  # the broadcast makes the weights equal
@@ -98,14 +95,14 @@ def main():
     ])
     lr = args.lr * kd.size()
     model.compile(
-        optimizer=DistributedOptimizer(keras.optimizers.Adam(lr)),
+        optimizer=kd.DistributedOptimizer(keras.optimizers.Adam(lr)),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
     callbacks = [
-        kd_callbacks.BroadcastGlobalVariablesCallback(0),
-        kd_callbacks.MetricAverageCallback(),
-        kd_callbacks.LearningRateWarmupCallback(lr, warmup_epochs=min(2, args.epochs),
+        kd.callbacks.BroadcastGlobalVariablesCallback(0),
+        kd.callbacks.MetricAverageCallback(),
+        kd.callbacks.LearningRateWarmupCallback(lr, warmup_epochs=min(2, args.epochs),
                                                 verbose=verbose),
     ]
     if kd.rank() == 0:
@@ -113,10 +110,10 @@ def main():
         callbacks.append(keras.callbacks.ModelCheckpoint(
             os.path.join(args.checkpoint_dir, "checkpoint-{epoch}.keras")))
     model.fit(x_local, y_local, batch_size=args.batch_size, epochs=args.epochs,
-              validation_data=shard((x_test, y_test)), callbacks=callbacks, verbose=verbose)
+              validation_data=kd.shard((x_test, y_test)), callbacks=callbacks, verbose=verbose)
 
     # Every rank evaluates its part of the test set; the mean is over all of it.
-    x_part, y_part = shard((x_test, y_test))
+    x_part, y_part = kd.shard((x_test, y_test))
     _, accuracy = model.evaluate(x_part, y_part, batch_size=256, verbose=0)
     correct = kd.allreduce(np.array(accuracy * len(x_part), np.float64), op=kd.Sum)
     accuracy = float(correct) / len(x_test)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from keras_dist.run import cleanup_shm, shm_snapshot
+from keras_dist.launcher.cleanup import cleanup_shm, shm_snapshot
 from tests._mp import TAG_ENV, processes_with_env, run_job, start_job
 
 WORKER = str(Path(__file__).with_name("fault_worker.py"))
@@ -28,7 +28,7 @@ TRANSPORTS = [
     pytest.param(
         "shm",
         marks=pytest.mark.skipif(
-            importlib.util.find_spec("keras_dist.backends.shm") is None,
+            importlib.util.find_spec("keras_dist.transports.shm") is None,
             reason="no shm transport yet",
         ),
     ),
@@ -208,7 +208,7 @@ FIT_WORKER = str(Path(__file__).with_name("fit_worker.py"))
     [("mpi", "kill", 11), ("shm", "kill", 11), ("mpi", "raise", 5)],
 )
 def test_fault_in_the_middle_of_fit(transport, kind, step):
-    if transport == "shm" and importlib.util.find_spec("keras_dist.backends.shm") is None:
+    if transport == "shm" and importlib.util.find_spec("keras_dist.transports.shm") is None:
         pytest.skip("no shm transport yet")
     result = run_job(
         [sys.executable, FIT_WORKER], np=2, timeout=120,

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from keras_dist.run import cleanup_shm, find_mpiexec, shm_snapshot
+from keras_dist.launcher.cleanup import cleanup_shm, shm_snapshot
+from keras_dist.launcher.mpiexec import find_mpiexec
 
 WORKER = str(Path(__file__).with_name("survivor_worker.py"))
 ROOT = str(Path(__file__).resolve().parent.parent.parent)

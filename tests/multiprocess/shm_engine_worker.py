@@ -23,9 +23,10 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from keras_dist import _dtypes, errors
+from keras_dist import _vocab as _dtypes
+from keras_dist import errors
 from keras_dist._config import Config
-from keras_dist.backends.shm import ShmTransport
+from keras_dist.transports.shm import ShmTransport
 
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int32, np.int64, np.uint8]
 OPS = {
@@ -273,7 +274,7 @@ def mode_fallback_unreadable(args):
     import subprocess
 
     from keras_dist import _native
-    from keras_dist.backends.shm import segment_name
+    from keras_dist.transports.shm import segment_name
 
     assert SIZE == 2
     stranger = subprocess.Popen(["sleep", "120"]) if RANK == 0 else None

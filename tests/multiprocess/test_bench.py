@@ -12,7 +12,7 @@ import pytest
 from tests._mp import run_job
 
 TRANSPORTS = ["mpi"]
-if importlib.util.find_spec("keras_dist.backends.shm") is not None:
+if importlib.util.find_spec("keras_dist.transports.shm") is not None:
     TRANSPORTS.append("shm")
 
 COLUMNS = ["size", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong", "%mem",

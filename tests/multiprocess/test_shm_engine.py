@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from keras_dist.run import cleanup_shm, shm_snapshot
+from keras_dist.launcher.cleanup import cleanup_shm, shm_snapshot
 
 pytest.importorskip("keras_dist._native")
 pytest.importorskip("mpi4py")

@@ -10,9 +10,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import keras_dist as kd  # noqa: E402
+from keras_dist import _keras  # noqa: E402
 from keras_dist import callbacks as kd_callbacks  # noqa: E402
-from keras_dist import keras_utils  # noqa: E402
-from keras_dist.optimizer import DistributedOptimizer  # noqa: E402
+from keras_dist._keras.optimizer import DistributedOptimizer  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,7 +62,7 @@ def test_schedule_multiplies_a_learning_rate_schedule():
 
 
 def test_momentum_correction_warns_once_that_it_has_no_effect():
-    keras_utils._warned.discard("momentum_correction")
+    _keras._warned.discard("momentum_correction")
     optimizer = DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
     with pytest.warns(UserWarning, match="momentum_correction has no effect"):
         _fit([kd_callbacks.LearningRateWarmupCallback(0.1, 1)], optimizer, epochs=1)

@@ -4,8 +4,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from keras_dist import _dtypes, fusion
+from keras_dist import _vocab as _dtypes
 from keras_dist._config import Config
+from keras_dist.tensor import fusion
 
 
 def test_buckets_group_by_dtype_in_first_appearance_order():

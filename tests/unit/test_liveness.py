@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from keras_dist._liveness import Waiter, process_alive
+from keras_dist._runtime.liveness import Waiter, process_alive
 from keras_dist.errors import CollectiveTimeoutError, PeerFailureError, StallWarning
 
 HOST = socket.gethostname()

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keras_dist import _dtypes
+from keras_dist import _vocab as _dtypes
 
 _native = pytest.importorskip("keras_dist._native")
 

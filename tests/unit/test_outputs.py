@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from keras_dist._outputs import OutputPool
+from keras_dist.tensor.outputs import OutputPool
 
 F32 = np.dtype(np.float32)
 

@@ -9,13 +9,15 @@ import sys
 
 import pytest
 
-from keras_dist import _jobstatus, run
+from keras_dist._runtime import jobstatus as _jobstatus
+from keras_dist.launcher import cleanup, cli, mpiexec
+from keras_dist.launcher import options as kdrun_options
 
 # --- arguments -----------------------------------------------------------------
 
 
 def test_parse_minimal():
-    options = run.parse_args(["-np", "2", "python", "train.py"])
+    options = kdrun_options.parse_args(["-np", "2", "python", "train.py"])
     assert options.num_proc == 2
     assert options.command == ("python", "train.py")
     assert options.hosts == ()
@@ -24,19 +26,19 @@ def test_parse_minimal():
 
 def test_parse_stops_at_the_command_and_keeps_its_arguments_untouched():
     argv = ["-np", "3", "--", "python", "-np", "7", "a b", "'q'", '"d"', "", "$HOME", "-H"]
-    options = run.parse_args(argv)
+    options = kdrun_options.parse_args(argv)
     assert options.num_proc == 3
     assert options.command == tuple(argv[3:])
 
 
 def test_parse_first_non_option_starts_the_command():
-    options = run.parse_args(["-n", "2", "python", "--timeline", "x"])
+    options = kdrun_options.parse_args(["-n", "2", "python", "--timeline", "x"])
     assert options.command == ("python", "--timeline", "x")
     assert options.timeline is None
 
 
 def test_parse_hosts_timeline_and_equals_form(tmp_path):
-    options = run.parse_args(
+    options = kdrun_options.parse_args(
         ["-np=4", "-H", "a:2,b:2", f"--timeline={tmp_path}/t.json", "python", "x.py"]
     )
     assert options.num_proc == 4
@@ -45,12 +47,12 @@ def test_parse_hosts_timeline_and_equals_form(tmp_path):
 
 
 def test_parse_relative_timeline_is_made_absolute():
-    options = run.parse_args(["-np", "1", "--timeline", "t.json", "python"])
+    options = kdrun_options.parse_args(["-np", "1", "--timeline", "t.json", "python"])
     assert options.timeline == os.path.abspath("t.json")
 
 
 def test_parse_host_without_slots_counts_one():
-    assert run.parse_args(["-np", "2", "-H", "a,b", "x"]).hosts == (("a", 1), ("b", 1))
+    assert kdrun_options.parse_args(["-np", "2", "-H", "a,b", "x"]).hosts == (("a", 1), ("b", 1))
 
 
 @pytest.mark.parametrize(
@@ -68,18 +70,19 @@ def test_parse_host_without_slots_counts_one():
     ],
 )
 def test_parse_errors(argv, message):
-    with pytest.raises(run.UsageError, match=message.replace("(", r"\(").replace("$", r"\$")):
-        run.parse_args(argv)
+    pattern = message.replace("(", r"\(").replace("$", r"\$")
+    with pytest.raises(kdrun_options.UsageError, match=pattern):
+        kdrun_options.parse_args(argv)
 
 
 def test_main_usage_errors_exit_2(capsys):
-    assert run.main(["-np", "2"]) == 2
+    assert cli.main(["-np", "2"]) == 2
     err = capsys.readouterr().err
     assert "kdrun: No command" in err and "usage: kdrun" in err
 
 
 def test_main_help_exits_0(capsys):
-    assert run.main(["--help"]) == 0
+    assert cli.main(["--help"]) == 0
     assert "usage: kdrun" in capsys.readouterr().out
 
 
@@ -89,8 +92,9 @@ ENV = {"KERAS_DIST_JOB_ID": "abc", "KERAS_DIST_STATUS_DIR": "/tmp/s d"}
 
 
 def test_mpich_command():
-    options = run.parse_args(["-np", "4", "-H", "a:2,b:2", "python", "x y.py", "--lr=0.1"])
-    args = run.build_command("/bin/mpiexec", "mpich", options, ENV)
+    options = kdrun_options.parse_args(
+        ["-np", "4", "-H", "a:2,b:2", "python", "x y.py", "--lr=0.1"])
+    args = mpiexec.build_command("/bin/mpiexec", "mpich", options, ENV)
     assert args == [
         "/bin/mpiexec", "-hosts", "a:2,b:2",
         "-genv", "KERAS_DIST_JOB_ID", "abc", "-genv", "KERAS_DIST_STATUS_DIR", "/tmp/s d",
@@ -99,15 +103,15 @@ def test_mpich_command():
 
 
 def test_mpich_output_dir():
-    options = run.parse_args(["-np", "2", "--output-dir", "/o", "python"])
-    args = run.build_command("mpiexec", "mpich", options, {})
+    options = kdrun_options.parse_args(["-np", "2", "--output-dir", "/o", "python"])
+    args = mpiexec.build_command("mpiexec", "mpich", options, {})
     assert args[1:5] == ["-outfile-pattern", "/o/rank%r.stdout", "-errfile-pattern",
                          "/o/rank%r.stderr"]
 
 
 def test_openmpi_command():
-    options = run.parse_args(["-np", "2", "-H", "a:1,b:1", "python", "x.py"])
-    args = run.build_command("mpirun", "openmpi", options, ENV)
+    options = kdrun_options.parse_args(["-np", "2", "-H", "a:1,b:1", "python", "x.py"])
+    args = mpiexec.build_command("mpirun", "openmpi", options, ENV)
     assert "--oversubscribe" in args
     assert ("--allow-run-as-root" in args) == (os.geteuid() == 0)
     assert args[args.index("-H") + 1] == "a:1,b:1"
@@ -116,9 +120,9 @@ def test_openmpi_command():
 
 
 def test_openmpi_output_dir():
-    options = run.parse_args(["-np", "2", "--output-dir", "/o", "python"])
-    assert "--output-filename" in run.build_command("mpirun", "openmpi", options, {})
-    args = run.build_command("mpirun", "openmpi5", options, {})
+    options = kdrun_options.parse_args(["-np", "2", "--output-dir", "/o", "python"])
+    assert "--output-filename" in mpiexec.build_command("mpirun", "openmpi", options, {})
+    args = mpiexec.build_command("mpirun", "openmpi5", options, {})
     assert args[args.index("--output") + 1] == "dir=/o"
 
 
@@ -140,13 +144,13 @@ def _fake_mpiexec(tmp_path, version_text):
     ],
 )
 def test_mpi_flavor(tmp_path, text, flavor):
-    assert run.mpi_flavor(_fake_mpiexec(tmp_path, text)) == flavor
+    assert mpiexec.mpi_flavor(_fake_mpiexec(tmp_path, text)) == flavor
 
 
 def test_find_mpiexec_prefers_the_one_beside_python(tmp_path, monkeypatch):
     beside = _fake_mpiexec(tmp_path, "x")
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
-    assert run.find_mpiexec() == beside
+    assert mpiexec.find_mpiexec() == beside
 
 
 def test_find_mpiexec_falls_back_to_path(tmp_path, monkeypatch):
@@ -155,15 +159,15 @@ def test_find_mpiexec_falls_back_to_path(tmp_path, monkeypatch):
     on_path = _fake_mpiexec(bin_dir, "x")
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     monkeypatch.setenv("PATH", str(bin_dir))
-    assert run.find_mpiexec() == on_path
+    assert mpiexec.find_mpiexec() == on_path
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
-    assert run.find_mpiexec() is None
+    assert mpiexec.find_mpiexec() is None
 
 
 def test_missing_mpiexec_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert run.main(["-np", "2", "python", "x.py"]) == 127
+    assert cli.main(["-np", "2", "python", "x.py"]) == 127
     assert "cannot find mpiexec" in capsys.readouterr().err
 
 
@@ -240,7 +244,7 @@ def _status(rank, **fields):
 
 def test_describe_exception():
     statuses = {0: _status(0), 1: _status(1, error="Traceback\nValueError: v\n")}
-    lines = run.describe_failure(statuses, 2, [], 1)
+    lines = cli.describe_failure(statuses, 2, [], 1)
     assert lines == [
         "kdrun: rank 1 (pid 101 on h) raised an exception: ValueError: v",
         "kdrun: rank 0 stopped when the job ended.",
@@ -253,7 +257,7 @@ def test_describe_dead_rank_comes_before_the_errors_its_death_caused():
         1: _status(1),
         2: _status(2),
     }
-    lines = run.describe_failure(statuses, 3, [1], 9)
+    lines = cli.describe_failure(statuses, 3, [1], 9)
     assert lines == [
         "kdrun: rank 1 (pid 101 on h) ended without finishing: "
         "killed by a signal or exited early",
@@ -265,7 +269,7 @@ def test_describe_dead_rank_comes_before_the_errors_its_death_caused():
 
 def test_describe_dead_rank_uses_exit_order():
     statuses = {r: _status(r) for r in range(3)}
-    lines = run.describe_failure(statuses, 3, [2, 0, 1], 9)
+    lines = cli.describe_failure(statuses, 3, [2, 0, 1], 9)
     assert lines == [
         "kdrun: rank 2 (pid 102 on h) ended without finishing: "
         "killed by a signal or exited early",
@@ -275,16 +279,16 @@ def test_describe_dead_rank_uses_exit_order():
 
 def test_describe_exit_order_may_hold_ranks_without_status():
     statuses = {0: _status(0), 1: _status(1)}
-    lines = run.describe_failure(statuses, 3, [2, 1, 0], 9)
+    lines = cli.describe_failure(statuses, 3, [2, 1, 0], 9)
     assert lines[0].startswith("kdrun: rank 1 (pid 101 on h) ended without finishing")
     assert lines[-1].startswith("kdrun: rank 2 never reported starting")
 
 
 def test_describe_rank_that_died_before_init():
-    lines = run.describe_failure({}, 3, [2, 0, 1], 9, {2: 4242, 0: 4240, 1: 4241})
+    lines = cli.describe_failure({}, 3, [2, 0, 1], 9, {2: 4242, 0: 4240, 1: 4241})
     assert lines == ["kdrun: rank 2 (pid 4242) ended before keras_dist.init() finished: "
                      "killed by a signal or exited early"]
-    lines = run.describe_failure({0: _status(0)}, 3, [2, 0], 9, {2: 4242})
+    lines = cli.describe_failure({0: _status(0)}, 3, [2, 0], 9, {2: 4242})
     assert lines == [
         "kdrun: rank 2 (pid 4242) ended before keras_dist.init() finished: "
         "killed by a signal or exited early",
@@ -295,14 +299,14 @@ def test_describe_rank_that_died_before_init():
 
 def test_describe_dead_rank_without_exit_order_names_every_suspect():
     statuses = {0: _status(0, done=True), 1: _status(1), 2: _status(2)}
-    lines = run.describe_failure(statuses, 3, [], 9)
+    lines = cli.describe_failure(statuses, 3, [], 9)
     assert [line.split(" (")[0] for line in lines] == ["kdrun: rank 1", "kdrun: rank 2"]
 
 
 def test_describe_ranks_that_never_started():
-    lines = run.describe_failure({0: _status(0, error="E: e")}, 3, [], 1)
+    lines = cli.describe_failure({0: _status(0, error="E: e")}, 3, [], 1)
     assert lines[-1].startswith("kdrun: ranks 1, 2 never reported starting")
-    lines = run.describe_failure({}, 2, [], 1)
+    lines = cli.describe_failure({}, 2, [], 1)
     assert lines == [
         "kdrun: the job failed (mpiexec exit code 1) and no rank reported its status: "
         "the command may have failed before keras_dist.init()."
@@ -313,7 +317,7 @@ def test_describe_ranks_that_never_started():
 
 
 def _shm(name):
-    path = os.path.join(run.SHM_DIR, name)
+    path = os.path.join(cleanup.SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     os.ftruncate(fd, 4096)
     return path, fd
@@ -321,11 +325,11 @@ def _shm(name):
 
 def test_cleanup_shm_removes_only_what_the_job_left(tmp_path, monkeypatch):
     # A private stand-in for /dev/shm, so that other jobs' clean-ups cannot interfere.
-    monkeypatch.setattr(run, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(cleanup, "SHM_DIR", str(tmp_path))
     job_id = secrets.token_hex(8)
     token = secrets.token_hex(4)
     old_path, old_fd = _shm(f"mpich_shm_kdtest{token}_old")
-    before = run.shm_snapshot()
+    before = cleanup.shm_snapshot()
     ours_path, ours_fd = _shm(f"kd-{os.geteuid()}-{job_id}-0")
     leaked_path, leaked_fd = _shm(f"mpich_shm_kdtest{token}_leaked")
     live_path, live_fd = _shm(f"mpich_shm_kdtest{token}_live")
@@ -334,7 +338,7 @@ def test_cleanup_shm_removes_only_what_the_job_left(tmp_path, monkeypatch):
     for fd in (old_fd, ours_fd, leaked_fd, live_fd, other_fd):
         os.close(fd)
     try:
-        removed = run.cleanup_shm(job_id, before)
+        removed = cleanup.cleanup_shm(job_id, before)
         assert os.path.basename(ours_path) in removed
         assert os.path.basename(leaked_path) in removed
         assert not os.path.exists(ours_path) and not os.path.exists(leaked_path)
@@ -355,10 +359,10 @@ def test_find_job_processes_sees_a_child_by_its_environment():
         env=dict(os.environ, KERAS_DIST_JOB_ID=job_id),
     )
     try:
-        assert run.find_job_processes(run.JOB_ID_ENV, job_id) == [child.pid]
-        assert run.kill_job_processes(job_id) == 1
+        assert cleanup.find_job_processes(cleanup.JOB_ID_ENV, job_id) == [child.pid]
+        assert cleanup.kill_job_processes(job_id) == 1
         assert child.wait(timeout=10) == -9
-        assert run.find_job_processes(run.JOB_ID_ENV, job_id) == []
+        assert cleanup.find_job_processes(cleanup.JOB_ID_ENV, job_id) == []
     finally:
         if child.poll() is None:
             child.kill()
@@ -390,12 +394,12 @@ def test_exit_rank_puts_reaped_then_killed_then_exited_processes():
                 if handle.read().rpartition(")")[2].split()[0] == "Z":
                     break
     try:
-        assert run._exit_rank(killed.pid) == 1
-        assert run._exit_rank(exited.pid) == 2
+        assert cli._exit_rank(killed.pid) == 1
+        assert cli._exit_rank(exited.pid) == 2
     finally:
         exited.wait()
         killed.wait()
-    assert run._exit_rank(killed.pid) == 0  # reaped: its parent saw it end first
+    assert cli._exit_rank(killed.pid) == 0  # reaped: its parent saw it end first
 
 
 def test_exit_order_continues_past_a_peer_failure_but_not_past_other_errors(
@@ -403,7 +407,7 @@ def test_exit_order_continues_past_a_peer_failure_but_not_past_other_errors(
     monkeypatch.setenv(_jobstatus.STATUS_DIR_ENV, str(tmp_path))
     for rank in range(3):
         _jobstatus.record_start(rank)
-    watcher = run._RankWatcher(str(tmp_path), "job", 3, all_local=True)
+    watcher = cli._RankWatcher(str(tmp_path), "job", 3, all_local=True)
     # Rank 0 saw rank 1 die and reported it before rank 1's exit was seen.
     _jobstatus.record_error(0, "Traceback\nkeras_dist.errors.PeerFailureError: rank 1 died\n")
     watcher._record_exit(1, 101)
@@ -412,13 +416,13 @@ def test_exit_order_continues_past_a_peer_failure_but_not_past_other_errors(
     _jobstatus.record_error(2, "Traceback\nValueError: v\n")
     watcher._record_exit(0, 100)
     assert watcher.exit_order == [1]
-    lines = run.describe_failure(watcher.statuses, 3, watcher.exit_order, 9)
+    lines = cli.describe_failure(watcher.statuses, 3, watcher.exit_order, 9)
     assert lines[0].startswith("kdrun: rank 1 (pid ") and "ended without finishing" in lines[0]
 
 
 def test_describe_names_every_rank_whose_exits_could_not_be_ordered():
     statuses = {r: _status(r) for r in range(3)}
-    lines = run.describe_failure(statuses, 3, [0, 1, 2], 9, first_tied=[0, 1])
+    lines = cli.describe_failure(statuses, 3, [0, 1, 2], 9, first_tied=[0, 1])
     assert lines == [
         "kdrun: rank 0 (pid 100 on h) or rank 1 (pid 101 on h) ended without finishing: "
         "killed by a signal or exited early (their exits reached kdrun at once, so which "
@@ -426,7 +430,7 @@ def test_describe_names_every_rank_whose_exits_could_not_be_ordered():
         "kdrun: rank 2 stopped when the job ended.",
     ]
     # A tie behind a clear first exit changes nothing.
-    lines = run.describe_failure(statuses, 3, [2, 0, 1], 9, first_tied=[])
+    lines = cli.describe_failure(statuses, 3, [2, 0, 1], 9, first_tied=[])
     assert lines[0].startswith("kdrun: rank 2 (pid 102 on h) ended without finishing")
 
 
@@ -434,7 +438,7 @@ def test_describe_names_every_rank_whose_exits_could_not_be_ordered():
 def test_watcher_records_exits_it_cannot_order(tmp_path):
     children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
                 for _ in range(2)]
-    watcher = run._RankWatcher(str(tmp_path), "job", 2, all_local=True)
+    watcher = cli._RankWatcher(str(tmp_path), "job", 2, all_local=True)
     for rank, child in enumerate(children):
         watcher._watch(rank, child.pid)
     for child in children:  # both end and are reaped before the watcher looks

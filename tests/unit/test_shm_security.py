@@ -5,7 +5,7 @@ import re
 import stat
 
 from keras_dist import _native
-from keras_dist.backends.shm import segment_name
+from keras_dist.transports.shm import segment_name
 
 
 def test_segment_names_are_scoped_to_user_and_job_and_unguessable():

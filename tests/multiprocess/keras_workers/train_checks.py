@@ -22,9 +22,9 @@ import keras  # noqa: E402
 import keras_dist as kd  # noqa: E402
 from keras_dist import callbacks as kd_callbacks  # noqa: E402
 from keras_dist import ops as kd_ops  # noqa: E402
+from keras_dist._keras.optimizer import DistributedOptimizer  # noqa: E402
+from keras_dist._keras.saving import load_model  # noqa: E402
 from keras_dist.data import shard  # noqa: E402
-from keras_dist.keras_utils import load_model  # noqa: E402
-from keras_dist.optimizer import DistributedOptimizer  # noqa: E402
 
 kd.init()
 RANK, SIZE = kd.rank(), kd.size()

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from keras_dist import _dtypes, _native, errors
+from keras_dist import _native, _vocab, errors
 from keras_dist._config import Config
-from keras_dist.backends.base import Transport
+from keras_dist.transports.base import Transport
 
 _NATIVE_ERRORS = (
     _native.CollectiveMismatchError,
@@ -147,7 +147,7 @@ class ShmTransport(Transport):
         #: The leaders' transport across machines: MPI with bounded waits.
         self._cross_transport = None
         if self._cross is not None:
-            from keras_dist.backends.mpi import MpiTransport
+            from keras_dist.transports.mpi import MpiTransport
 
             same_host = self._cross.Split_type(MPI.COMM_TYPE_SHARED, key=self._cross.Get_rank())
             self._cross_transport = MpiTransport(self._cross, same_host, config)
@@ -163,21 +163,21 @@ class ShmTransport(Transport):
                   send: np.ndarray | None = None) -> None:
         code = self._codes.get(buf.dtype.num)
         if code is None:
-            code = self._codes[buf.dtype.num] = _dtypes.dtype_code(buf.dtype)
+            code = self._codes[buf.dtype.num] = _vocab.dtype_code(buf.dtype)
         engine = self._engine
         if engine is None:
             raise errors.TransportError("shm transport is closed")
         if self._cross is not None:
             self._agree_across_machines(
                 "allreduce",
-                {"dtype": buf.dtype.name, "count": buf.size, "op": _dtypes.OP_NAMES.get(op, op),
+                {"dtype": buf.dtype.name, "count": buf.size, "op": _vocab.OP_NAMES.get(op, op),
                  "name": name},
             )
-        if self._hierarchical and _dtypes.is_half(buf.dtype):
+        if self._hierarchical and _vocab.is_half(buf.dtype):
             # Both levels reduce in float32 and the result is rounded once, as
             # on one machine (the wider messages cost twice the bytes).
             wide = (buf if send is None else send).astype(np.float32)
-            self._reduce(engine, wide, _dtypes.FLOAT32, op, name, None)
+            self._reduce(engine, wide, _vocab.FLOAT32, op, name, None)
             buf[...] = wide.astype(buf.dtype)
         else:
             self._reduce(engine, buf, code, op, name, send)
@@ -188,7 +188,7 @@ class ShmTransport(Transport):
         try:
             # The engine takes any buffer of the dtype's item size; numpy cannot
             # export bfloat16 buffers, so those travel as bytes.
-            if code == _dtypes.BFLOAT16:
+            if code == _vocab.BFLOAT16:
                 buf_view = buf.view(np.uint8)
                 send = None if send is None else send.view(np.uint8)
             else:

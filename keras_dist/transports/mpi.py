@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from keras_dist import _dtypes
-from keras_dist._liveness import Waiter, describe_peers
-from keras_dist.backends.base import Transport
+from keras_dist import _vocab
+from keras_dist._runtime.liveness import Waiter, describe_peers
 from keras_dist.errors import CollectiveMismatchError
+from keras_dist.transports.base import Transport
 
 
 class MpiTransport(Transport):
@@ -46,10 +46,10 @@ class MpiTransport(Transport):
         self.comm = comm
         self.rank = comm.Get_rank()
         self._ops = {
-            _dtypes.SUM: MPI.SUM,
-            _dtypes.MIN: MPI.MIN,
-            _dtypes.MAX: MPI.MAX,
-            _dtypes.PRODUCT: MPI.PROD,
+            _vocab.SUM: MPI.SUM,
+            _vocab.MIN: MPI.MIN,
+            _vocab.MAX: MPI.MAX,
+            _vocab.PRODUCT: MPI.PROD,
         }
         # Arrival board: one int64 per local rank in shared memory, holding the
         # number of collectives that rank has entered.
@@ -100,10 +100,10 @@ class MpiTransport(Transport):
 
     def allreduce(self, buf: np.ndarray, op: int, name: str | None = None,
                   send: np.ndarray | None = None) -> None:
-        self._enter("allreduce", f"allreduce op={_dtypes.OP_NAMES[op]} dtype={buf.dtype.name} "
+        self._enter("allreduce", f"allreduce op={_vocab.OP_NAMES[op]} dtype={buf.dtype.name} "
                     f"count={buf.size} {name or ''}")
         mpi_op = self._ops[op]
-        if _dtypes.is_half(buf.dtype):
+        if _vocab.is_half(buf.dtype):
             wide = (buf if send is None else send).astype(np.float32)
             self.comm.Allreduce(self._mpi.IN_PLACE, wide, mpi_op)
             buf[...] = wide.astype(buf.dtype)

@@ -7,9 +7,10 @@ import numbers
 import keras
 import numpy as np
 
-from keras_dist import _context
-from keras_dist import ops as kd_ops
-from keras_dist.keras_utils import disable_xla_for_training
+from keras_dist import _vocab
+from keras_dist._keras.xla import disable_xla_for_training
+from keras_dist._runtime import context
+from keras_dist.tensor import ops as kd_ops
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
@@ -31,11 +32,11 @@ class MetricAverageCallback(keras.callbacks.Callback):
         disable_xla_for_training(self.model)
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is None or _context.get().size == 1:
+        if logs is None or context.get().size == 1:
             return
         keys = sorted(key for key, value in logs.items() if _is_number(value))
         values = np.array([float(logs[key]) for key in keys], dtype=np.float64)
-        averaged = kd_ops.allreduce(values, op=kd_ops.Average, name="metric_average")
+        averaged = kd_ops.allreduce(values, op=_vocab.Average, name="metric_average")
         for key, value in zip(keys, averaged):
             logs[key] = float(value)
 

@@ -14,22 +14,12 @@ import time
 import warnings
 from collections.abc import Callable
 
+from keras_dist._runtime.procfs import process_alive
 from keras_dist.errors import CollectiveTimeoutError, PeerFailureError, StallWarning
 
 _LIVENESS_PERIOD_S = 0.2
 _SPIN_POLLS = 2000
 _YIELD_POLLS = 20000
-
-
-def process_alive(pid: int) -> bool:
-    """True while ``pid`` runs; a zombie (exited, not yet reaped) counts as dead."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            stat = handle.read()
-    except OSError:
-        return False
-    # The state letter follows the parenthesised command name.
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
 
 
 class Waiter:

@@ -12,16 +12,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from keras_dist import _dtypes
-from keras_dist.backends.base import Transport
+from keras_dist import _vocab
 from keras_dist.errors import TransportError
+from keras_dist.transports.base import Transport
 
 # ncclDataType_t and ncclRedOp_t values (stable across NCCL 2.x releases).
 _NCCL_DTYPES = {
-    _dtypes.UINT8: 1, _dtypes.INT32: 2, _dtypes.INT64: 4,
-    _dtypes.FLOAT16: 6, _dtypes.FLOAT32: 7, _dtypes.FLOAT64: 8, _dtypes.BFLOAT16: 9,
+    _vocab.UINT8: 1, _vocab.INT32: 2, _vocab.INT64: 4,
+    _vocab.FLOAT16: 6, _vocab.FLOAT32: 7, _vocab.FLOAT64: 8, _vocab.BFLOAT16: 9,
 }
-_NCCL_OPS = {_dtypes.SUM: 0, _dtypes.PRODUCT: 1, _dtypes.MAX: 2, _dtypes.MIN: 3}
+_NCCL_OPS = {_vocab.SUM: 0, _vocab.PRODUCT: 1, _vocab.MAX: 2, _vocab.MIN: 3}
 
 
 def _import_nccl():
@@ -73,7 +73,7 @@ class NcclTransport(Transport):
         caller.wait_event(self.stream.record())
 
     def _code(self, buf) -> int:
-        code = _NCCL_DTYPES.get(_dtypes.dtype_code(buf.dtype))
+        code = _NCCL_DTYPES.get(_vocab.dtype_code(buf.dtype))
         if code is None:
             raise TypeError(f"NCCL cannot carry dtype {np.dtype(buf.dtype).name}")
         return code
@@ -104,7 +104,7 @@ class NcclTransport(Transport):
 
     def barrier(self) -> None:
         token = self._cupy.zeros(1, np.int32)
-        self.allreduce(token, _dtypes.SUM)
+        self.allreduce(token, _vocab.SUM)
         self._cupy.cuda.get_current_stream().synchronize()
 
     def scratch(self, nbytes: int):

@@ -1,70 +1,10 @@
-"""Keras helpers: loading a distributed model, learning-rate plumbing, XLA."""
+"""Learning-rate plumbing for the callbacks: schedules scaled by a factor."""
 
 from __future__ import annotations
 
-import warnings
-
 import keras
 
-from keras_dist import _context
-from keras_dist.optimizer import DistributedOptimizer
-
-_warned: set[str] = set()
-
-
-def warn_once(key: str, message: str) -> None:
-    """Emits ``message`` as a ``UserWarning`` the first time ``key`` is seen."""
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=3)
-
-
-def load_model(path, custom_objects=None, compile: bool = True, safe_mode: bool = True):
-    """Loads a `.keras` model saved with a `DistributedOptimizer`.
-
-    The optimizer comes back wrapped, with the inner optimizer's state
-    (slots, iterations, loss scale, accumulators), so training resumes at any
-    number of ranks.
-
-    Args:
-        path: the `.keras` file.
-        custom_objects: extra classes or functions the model needs.
-        compile: as in `keras.saving.load_model`.
-        safe_mode: as in `keras.saving.load_model`.
-
-    Returns:
-        The model.
-    """
-    objects = {
-        "DistributedOptimizer": DistributedOptimizer,
-        "keras_dist>DistributedOptimizer": DistributedOptimizer,
-        "keras_dist>ScaledSchedule": ScaledSchedule,
-    }
-    objects.update(custom_objects or {})
-    return keras.saving.load_model(
-        path, custom_objects=objects, compile=compile, safe_mode=safe_mode
-    )
-
-
-def disable_xla_for_training(model) -> None:
-    """Turns XLA off for ``model``'s train step when collectives run in it.
-
-    ``tf.numpy_function`` (how gradients reach the transport) cannot be
-    compiled by XLA. ``fit`` builds the train function before
-    ``on_train_begin``, so the callbacks call this there and rebuild it. At
-    size 1 no collective runs and XLA stays as the user asked.
-    """
-    if _context.get().size == 1 or keras.backend.backend() != "tensorflow":
-        return
-    if getattr(model, "run_eagerly", False) or not getattr(model, "jit_compile", False):
-        return
-    warn_once(
-        "xla",
-        "keras_dist: XLA (jit_compile) is turned off for the train step: the gradient "
-        "allreduce is a host call that XLA cannot compile.",
-    )
-    model.jit_compile = False
-    model.make_train_function(force=True)
+from keras_dist._keras import compat
 
 
 def inner_optimizer(optimizer):
@@ -115,11 +55,11 @@ def set_learning_rate(optimizer, initial_lr: float, multiplier: float) -> float:
     unused) and the schedule's value is returned.
     """
     optimizer = inner_optimizer(optimizer)
-    current = optimizer._learning_rate
+    current = compat.learning_rate_attribute(optimizer)
     if isinstance(current, keras.optimizers.schedules.LearningRateSchedule):
         if not isinstance(current, ScaledSchedule):
             current = ScaledSchedule(current)
-            optimizer._learning_rate = current
+            compat.set_learning_rate_attribute(optimizer, current)
         current.factor.assign(multiplier)
         return float(keras.ops.convert_to_numpy(current(optimizer.iterations)))
     if callable(current) and not isinstance(current, keras.Variable):

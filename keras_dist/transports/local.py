@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from keras_dist.backends.base import Transport
+from keras_dist.transports.base import Transport
 
 
 class LocalTransport(Transport):

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from keras.src.utils import io_utils
-
-from keras_dist import _context, keras_utils
-from keras_dist.callbacks.learning_rate_schedule import LearningRateScheduleCallback
+from keras_dist._keras import compat, lr
+from keras_dist._keras.callbacks.learning_rate_schedule import LearningRateScheduleCallback
+from keras_dist._runtime import context
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
@@ -47,7 +46,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         self.verbose = verbose
 
         def multiplier(epoch: float) -> float:
-            size = _context.get().size
+            size = context.get().size
             return 1.0 / size * (1.0 + (size - 1) * epoch / warmup_epochs)
 
         super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
@@ -57,8 +56,8 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     def on_epoch_end(self, epoch, logs=None):
         if epoch != self.end_epoch - 1:
             return
-        lr = keras_utils.set_learning_rate(self.model.optimizer, self.initial_lr, 1.0)
-        if self.verbose and _context.get().rank == 0:
-            io_utils.print_msg(
-                f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}."
+        rate = lr.set_learning_rate(self.model.optimizer, self.initial_lr, 1.0)
+        if self.verbose and context.get().rank == 0:
+            compat.print_msg(
+                f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {rate:g}."
             )

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import keras
 from keras import ops
-from keras.src.utils import tracking
 
-from keras_dist import _context
-from keras_dist import ops as kd_ops
+from keras_dist import _vocab
+from keras_dist._keras import compat
+from keras_dist._runtime import context
+from keras_dist.tensor import ops as kd_ops
 
 _COMPRESSIONS = {"none": kd_ops.Compression.none, "fp16": kd_ops.Compression.fp16}
 
@@ -36,17 +37,6 @@ def _to_dense(grad):
 
         return tf.convert_to_tensor(grad)
     return grad
-
-
-def _in_xla_context() -> bool:
-    if keras.backend.backend() != "tensorflow":
-        return False
-    import tensorflow as tf
-    from tensorflow.python.ops import control_flow_util
-
-    if tf.executing_eagerly():
-        return False
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -100,7 +90,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         self,
         optimizer,
         *,
-        op=kd_ops.Average,
+        op=_vocab.Average,
         compression=kd_ops.Compression.none,
         backward_passes_per_step: int = 1,
         average_aggregated_gradients: bool = False,
@@ -140,7 +130,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
                 "`gradient_predivide_factor` must be > 0. "
                 f"Received: gradient_predivide_factor={gradient_predivide_factor}"
             )
-        if gradient_predivide_factor != 1.0 and op is not kd_ops.Average:
+        if gradient_predivide_factor != 1.0 and op is not _vocab.Average:
             raise ValueError(
                 "`gradient_predivide_factor` needs op=keras_dist.Average. "
                 f"Received: op={op}, gradient_predivide_factor={gradient_predivide_factor}"
@@ -177,7 +167,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- state -------------------------------------------------------------
 
-    @tracking.no_automatic_dependency_tracking
+    @compat.no_automatic_dependency_tracking
     def build(self, var_list):
         if self._uses_loss_scale():
             self.step_counter = self.add_variable(
@@ -225,7 +215,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
                 "`grads` and `trainable_variables` must have the same length. "
                 f"Received: {len(grads)} gradients, {len(trainable_variables)} variables"
             )
-        if _context.get().size > 1 and _in_xla_context():
+        if context.get().size > 1 and compat.in_xla_context():
             raise RuntimeError(
                 "DistributedOptimizer cannot run inside an XLA-compiled step "
                 "(jit_compile=True): its collectives are host calls that XLA cannot "
@@ -263,12 +253,12 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _reduce(self, grads):
         """Reduces ``grads`` across ranks: dense ones in one grouped allreduce."""
-        size = _context.get().size
+        size = context.get().size
         if size == 1:
             return grads
         op, prescale, postscale = self.op, 1.0, 1.0
-        if self.op is kd_ops.Average and self.gradient_predivide_factor != 1.0:
-            op = kd_ops.Sum
+        if self.op is _vocab.Average and self.gradient_predivide_factor != 1.0:
+            op = _vocab.Sum
             prescale = 1.0 / self.gradient_predivide_factor
             postscale = self.gradient_predivide_factor / size
         reduced = list(grads)
@@ -298,7 +288,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
     def _allgather_slices(self, grad, size):
         import tensorflow as tf
 
-        if self.op not in (kd_ops.Average, kd_ops.Sum):
+        if self.op not in (_vocab.Average, _vocab.Sum):
             raise ValueError(
                 "Sparse (IndexedSlices) gradients can be reduced with op=Average or Sum "
                 f"only; pass sparse_as_dense=True for other ops. Received: op={self.op}"
@@ -306,7 +296,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         values, context = self.compression.compress(grad.values)
         values = self.compression.decompress(kd_ops.allgather(values), context)
         indices = kd_ops.allgather(grad.indices)
-        if self.op is kd_ops.Average:
+        if self.op is _vocab.Average:
             values = values / tf.cast(size, values.dtype)
         return tf.IndexedSlices(values, indices, grad.dense_shape)
 
@@ -345,6 +335,6 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         optimizer = keras.saving.deserialize_keras_object(
             config.pop("optimizer"), custom_objects=custom_objects
         )
-        config["op"] = kd_ops.ReduceOp(config["op"])
+        config["op"] = _vocab.ReduceOp(config["op"])
         config["compression"] = _COMPRESSIONS[config["compression"]]
         return cls(optimizer, **config)

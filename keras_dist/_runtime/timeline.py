@@ -15,6 +15,8 @@ import os
 import threading
 import time
 
+from keras_dist._runtime import context
+
 _lock = threading.Lock()
 _file = None
 _first_event = True
@@ -23,9 +25,7 @@ _first_event = True
 def start_timeline(path: str) -> None:
     """Starts writing this rank's collectives to ``path`` (rank 0 only)."""
     global _file, _first_event
-    from keras_dist import _context
-
-    group = _context.get()
+    group = context.get()
     if group.rank != 0:
         return
     with _lock:

@@ -6,7 +6,7 @@ import math
 
 import keras
 
-from keras_dist import keras_utils
+from keras_dist._keras import lr, warn_once, xla
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
@@ -70,11 +70,11 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         return self.start_epoch <= epoch < end
 
     def on_train_begin(self, logs=None):
-        keras_utils.disable_xla_for_training(self.model)
+        xla.disable_xla_for_training(self.model)
         if self.momentum_correction:
-            momentum = getattr(keras_utils.inner_optimizer(self.model.optimizer), "momentum", 0)
+            momentum = getattr(lr.inner_optimizer(self.model.optimizer), "momentum", 0)
             if momentum:
-                keras_utils.warn_once(
+                warn_once(
                     "momentum_correction",
                     "keras_dist: momentum_correction has no effect in Keras 3: the optimizer "
                     "reads `momentum` as a Python number when the train step is traced, so "
@@ -90,7 +90,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
                 )
 
     def _set(self, epoch: float) -> float:
-        return keras_utils.set_learning_rate(
+        return lr.set_learning_rate(
             self.model.optimizer, self.initial_lr, self.multiplier(epoch)
         )
 

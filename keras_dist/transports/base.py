@@ -2,7 +2,7 @@
 
 A transport moves flat, C-contiguous, one-dimensional numpy buffers. It knows
 nothing of tensors, Keras or fusion: the tensor layer (``ops.py``) hands it
-buffers and an op code from ``keras_dist._dtypes``.
+buffers and an op code from ``keras_dist._vocab``.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import keras
 
-from keras_dist import ops as kd_ops
-from keras_dist.keras_utils import disable_xla_for_training
+from keras_dist._keras.xla import disable_xla_for_training
+from keras_dist.tensor import ops as kd_ops
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):

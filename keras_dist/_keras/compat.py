@@ -1,0 +1,40 @@
+"""Every private Keras and TensorFlow API keras_dist uses, in one place.
+
+Supported: Keras 3.3 to 3.15 (``pyproject.toml`` bounds the range; the oldest
+and newest are tested). When Keras moves one of these, only this module changes.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras.src.utils import io_utils, tracking
+
+#: Decorator: attributes set inside the method are not tracked as Keras state.
+no_automatic_dependency_tracking = tracking.no_automatic_dependency_tracking
+
+
+def print_msg(message: str) -> None:
+    """Prints through Keras's own printing (it respects Keras's logging setup)."""
+    io_utils.print_msg(message)
+
+
+def learning_rate_attribute(optimizer):
+    """The optimizer's stored learning rate: a variable, a schedule or a callable."""
+    return optimizer._learning_rate
+
+
+def set_learning_rate_attribute(optimizer, value) -> None:
+    """Replaces the optimizer's stored learning rate (e.g. by a wrapping schedule)."""
+    optimizer._learning_rate = value
+
+
+def in_xla_context() -> bool:
+    """True while TensorFlow traces a function that XLA will compile."""
+    if keras.backend.backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+
+    if tf.executing_eagerly():
+        return False
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())

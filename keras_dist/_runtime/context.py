@@ -1,0 +1,123 @@
+"""The process group: its state, topology, and the hook that ends the job on an
+unhandled exception. ``keras_dist._lifecycle`` makes and takes it down."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import time
+import traceback
+
+from keras_dist._config import Config
+from keras_dist._runtime import jobstatus
+from keras_dist.errors import NotInitializedError
+
+
+@dataclasses.dataclass
+class Group:
+    config: Config
+    comm: object  # mpi4py communicator (a private duplicate), or None at size 1
+    local_comm: object
+    cross_comm: object
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    transport: object  # transports.base.Transport: the CPU data plane
+    gpu_transport: object | None = None  # the NCCL transport, made on first use
+
+
+_group: Group | None = None
+#: Held while the group is made or taken down.
+lock = threading.Lock()
+_previous_excepthook = None
+#: (rank, size) of the job, known from the start of init(), for the excepthook.
+_job = (0, 1)
+
+
+def get() -> Group:
+    """The initialised group, or ``NotInitializedError``."""
+    group = _group
+    if group is None:
+        raise NotInitializedError(
+            "keras_dist has not been initialised. Call `keras_dist.init()` first."
+        )
+    return group
+
+
+def is_initialized() -> bool:
+    return _group is not None
+
+
+def topology(comm, config: Config) -> dict:
+    """Splits ``comm`` (a private duplicate) into the machine and cross communicators.
+
+    Collective over ``comm``. Returns the ``Group`` fields other than
+    ``config`` and the transports.
+    """
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    if config.ranks_per_node:
+        local_comm = machine.Split(color=machine.Get_rank() // config.ranks_per_node, key=rank)
+        machine.Free()
+    else:
+        local_comm = machine
+    local_rank, local_size = local_comm.Get_rank(), local_comm.Get_size()
+    cross_comm = comm.Split(color=local_rank, key=rank)
+    return dict(
+        comm=comm, local_comm=local_comm, cross_comm=cross_comm, rank=rank, size=size,
+        local_rank=local_rank, local_size=local_size, cross_rank=cross_comm.Get_rank(),
+        cross_size=cross_comm.Get_size(),
+    )
+
+
+def install(group: Group) -> None:
+    """Makes ``group`` the process group."""
+    global _group
+    _group = group
+
+
+def uninstall() -> Group | None:
+    """Forgets the process group and returns it (None when there was none)."""
+    global _group
+    group, _group = _group, None
+    return group
+
+
+def install_excepthook(rank: int, size: int) -> None:
+    """An unhandled exception on one rank ends the whole job at once.
+
+    Without this, the failing rank would sit in MPI_Finalize (or exit) while
+    its peers wait forever in their next collective.
+    """
+    global _previous_excepthook, _job
+    _job = (rank, size)
+    if _previous_excepthook is not None:
+        return
+    _previous_excepthook = sys.excepthook
+
+    def abort_job(exc_type, exc, tb):
+        rank, size = _job
+        if size == 1 or issubclass(exc_type, KeyboardInterrupt):
+            _previous_excepthook(exc_type, exc, tb)
+            return
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        label = f"[keras_dist rank {rank}/{size}] "
+        sys.stderr.write("".join(label + line + "\n" for line in text.rstrip().splitlines()))
+        sys.stderr.flush()
+        jobstatus.record_error(rank, text)
+        # Give the process manager a moment to forward the traceback before
+        # the abort tears the job's output channels down.
+        time.sleep(0.2)
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+        os._exit(1)
+
+    sys.excepthook = abort_job

@@ -1,0 +1,115 @@
+"""The vocabulary every layer shares: reduce ops, dtype and op codes, and how
+a reduction is finished.
+
+A leaf module: it imports nothing of the package, so the tensor layer (CPU and
+GPU paths alike), the transports and the native bindings can all use it.
+
+The integer codes are the ones the native extension (``native/src/reduce.h``)
+uses; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+
+import numpy as np
+
+try:  # ml_dtypes ships with TensorFlow and JAX; numpy has no bfloat16 of its own.
+    from ml_dtypes import bfloat16 as _bfloat16
+except ImportError:  # pragma: no cover - only without TF/JAX installed
+    _bfloat16 = None
+
+FLOAT16, BFLOAT16, FLOAT32, FLOAT64, INT32, INT64, UINT8 = range(7)
+
+SUM, MIN, MAX, PRODUCT = range(4)
+OP_NAMES = {SUM: "sum", MIN: "min", MAX: "max", PRODUCT: "product"}
+
+
+class ReduceOp(enum.Enum):
+    """How ``allreduce`` combines the ranks' values."""
+
+    AVERAGE = "average"
+    SUM = "sum"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+#: The transport's op code for each public op (``Average`` is a sum, then a scale).
+TRANSPORT_OPS = {
+    ReduceOp.AVERAGE: SUM,
+    ReduceOp.SUM: SUM,
+    ReduceOp.MIN: MIN,
+    ReduceOp.MAX: MAX,
+    ReduceOp.PRODUCT: PRODUCT,
+}
+
+_CODES: dict[np.dtype, int] = {
+    np.dtype(np.float16): FLOAT16,
+    np.dtype(np.float32): FLOAT32,
+    np.dtype(np.float64): FLOAT64,
+    np.dtype(np.int32): INT32,
+    np.dtype(np.int64): INT64,
+    np.dtype(np.uint8): UINT8,
+}
+if _bfloat16 is not None:
+    _CODES[np.dtype(_bfloat16)] = BFLOAT16
+
+SUPPORTED_DTYPE_NAMES = ", ".join(sorted(d.name for d in _CODES))
+#: dtype name of each native code.
+DTYPE_NAMES = {code: dtype.name for dtype, code in _CODES.items()}
+
+
+def dtype_code(dtype) -> int:
+    """Returns the native code of a numpy dtype, or raises ``TypeError``."""
+    dtype = np.dtype(dtype)
+    try:
+        return _CODES[dtype]
+    except KeyError:
+        raise TypeError(
+            f"keras_dist reduces only {SUPPORTED_DTYPE_NAMES}. "
+            f"Received: dtype={dtype.name}"
+        ) from None
+
+
+def is_supported(dtype) -> bool:
+    return np.dtype(dtype) in _CODES
+
+
+def is_half(dtype) -> bool:
+    return dtype_code(dtype) in (FLOAT16, BFLOAT16)
+
+
+@functools.lru_cache(maxsize=64)
+def is_float(dtype) -> bool:
+    """True for floating-point dtypes, half precision included."""
+    dtype = np.dtype(dtype)
+    return np.issubdtype(dtype, np.floating) or (dtype in _CODES and is_half(dtype))
+
+
+def finishing_scale(op: ReduceOp, dtype, size: int, postscale: float = 1.0) -> float | None:
+    """How the transport's result becomes ``op``'s result, for CPU and GPU paths alike.
+
+    Returns:
+        The factor to multiply the reduced values by (1.0: leave them), or
+        None for an integer ``Average``, which is a floor division by ``size``.
+    """
+    if op is ReduceOp.AVERAGE and not is_float(dtype):
+        return None
+    return postscale / size if op is ReduceOp.AVERAGE else postscale
+
+
+def finish_reduction(flat, op: ReduceOp, size: int, postscale: float = 1.0) -> None:
+    """Applies ``finishing_scale`` to ``flat`` in place (numpy or cupy)."""
+    scale = finishing_scale(op, flat.dtype, size, postscale)
+    if scale is None:
+        flat //= size
+    elif scale != 1.0:
+        flat *= scale

@@ -1,1 +1,0 @@
-"""Transports: one class per module, all implementing ``base.Transport``."""
