@@ -17,6 +17,18 @@ Launch with ``kdrun -np 4 python train.py``.
 
 from __future__ import annotations
 
+from keras_dist._capabilities import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
 from keras_dist._lifecycle import init, shutdown
 from keras_dist._runtime.context import get as _get
 from keras_dist._runtime.context import is_initialized
@@ -54,6 +66,9 @@ __version__ = "0.1.0"
 # takes seconds: it loads on first use, so the collectives alone stay light.
 _LAZY = {
     "DistributedOptimizer": ("keras_dist._keras.optimizer", "DistributedOptimizer"),
+    "DistributedGradientTape": ("keras_dist._keras.gradient_tape", "DistributedGradientTape"),
+    "PartialDistributedGradientTape": (
+        "keras_dist._keras.gradient_tape", "PartialDistributedGradientTape"),
     "load_model": ("keras_dist._keras.saving", "load_model"),
     "shard": ("keras_dist.data", "shard"),
     "callbacks": ("keras_dist.callbacks", None),
@@ -104,7 +119,10 @@ def cross_rank() -> int:
 
 __all__ = [
     "Average", "CollectiveMismatchError", "CollectiveTimeoutError", "Compression",
-    "DistributedOptimizer", "callbacks", "load_model", "shard",
+    "DistributedGradientTape", "DistributedOptimizer", "PartialDistributedGradientTape",
+    "callbacks", "load_model", "shard", "ccl_built", "cuda_built", "ddl_built", "gloo_built",
+    "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
+    "rocm_built",
     "KerasDistError", "Max", "Min", "NotInitializedError", "PeerFailureError", "Product",
     "ReduceOp", "StallWarning", "Sum", "TransportError", "allgather", "allgather_object",
     "allreduce", "barrier", "broadcast", "broadcast_object", "broadcast_variables",
