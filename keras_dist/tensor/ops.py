@@ -20,7 +20,7 @@ from keras_dist._runtime import context, timeline
 from keras_dist._vocab import Average, ReduceOp
 from keras_dist.tensor import fusion, outputs
 from keras_dist.tensor.compression import Compression
-from keras_dist.tensor.conversions import is_cupy, run, to_numpy, unwrap
+from keras_dist.tensor.conversions import is_cupy, run, unwrap
 
 #: Transport calls made by this process, by collective ("allreduce", ...).
 #: One fused bucket is one call. Tests count collectives with it.
@@ -286,14 +286,17 @@ def broadcast_variables(variables: Sequence, root_rank: int = 0) -> None:
     """Assigns ``root_rank``'s values to ``variables`` (Keras or TF) on every rank.
 
     All variables travel in fused buckets, one transport call per dtype bucket.
+    Works eagerly and inside a ``tf.function`` (one op for all variables,
+    then the assignments).
     """
     group = context.get()
     root = _check_root(root_rank, group.size)
     variables = list(variables)
     if group.size == 1 or not variables:
         return
-    values = [np.asarray(to_numpy(v)) for v in variables]
-    for variable, value in zip(variables, _broadcast_arrays(values, root, "broadcast_variables")):
+    values = run(variables, lambda arrays: _broadcast_arrays(arrays, root, "broadcast_variables"),
+                 "broadcast_variables")
+    for variable, value in zip(variables, values):
         variable.assign(value)
 
 
