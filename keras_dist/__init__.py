@@ -71,6 +71,7 @@ _LAZY = {
         "keras_dist._keras.gradient_tape", "PartialDistributedGradientTape"),
     "load_model": ("keras_dist._keras.saving", "load_model"),
     "shard": ("keras_dist.data", "shard"),
+    "SyncBatchNormalization": ("keras_dist._keras.sync_batch_norm", "SyncBatchNormalization"),
     "callbacks": ("keras_dist.callbacks", None),
 }
 
@@ -119,13 +120,13 @@ def cross_rank() -> int:
 
 __all__ = [
     "Average", "CollectiveMismatchError", "CollectiveTimeoutError", "Compression",
-    "DistributedGradientTape", "DistributedOptimizer", "PartialDistributedGradientTape",
-    "callbacks", "load_model", "shard", "ccl_built", "cuda_built", "ddl_built", "gloo_built",
-    "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
-    "rocm_built",
-    "KerasDistError", "Max", "Min", "NotInitializedError", "PeerFailureError", "Product",
-    "ReduceOp", "StallWarning", "Sum", "TransportError", "allgather", "allgather_object",
-    "allreduce", "barrier", "broadcast", "broadcast_object", "broadcast_variables",
-    "cross_rank", "cross_size", "grouped_allreduce", "init", "is_initialized", "local_rank",
-    "local_size", "rank", "shutdown", "size", "start_timeline", "stop_timeline",
+    "DistributedGradientTape", "DistributedOptimizer", "KerasDistError", "Max", "Min",
+    "NotInitializedError", "PartialDistributedGradientTape", "PeerFailureError", "Product",
+    "ReduceOp", "StallWarning", "Sum", "SyncBatchNormalization", "TransportError", "allgather",
+    "allgather_object", "allreduce", "barrier", "broadcast", "broadcast_object",
+    "broadcast_variables", "callbacks", "ccl_built", "cross_rank", "cross_size", "cuda_built",
+    "ddl_built", "gloo_built", "gloo_enabled", "grouped_allreduce", "init", "is_initialized",
+    "load_model", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "rank", "rocm_built", "shard", "shutdown", "size",
+    "start_timeline", "stop_timeline",
 ]

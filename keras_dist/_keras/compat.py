@@ -28,6 +28,27 @@ def set_learning_rate_attribute(optimizer, value) -> None:
     optimizer._learning_rate = value
 
 
+def built_variables(optimizer) -> list:
+    """The trainable variables ``optimizer`` was built with, in build order."""
+    return optimizer._trainable_variables
+
+
+def variable_index(optimizer, variable) -> int:
+    """The position of ``variable`` among ``built_variables(optimizer)``."""
+    return optimizer._get_variable_index(variable)
+
+
+def loss_scale_apply(optimizer, grads, trainable_variables) -> None:
+    """Runs ``LossScaleOptimizer``'s step on ``optimizer``, a subclass of it.
+
+    The finite check of ``grads``, then either the inner optimizer's update
+    and the loss-scale bookkeeping, or a halved loss scale and no update.
+    """
+    keras.optimizers.LossScaleOptimizer._common_apply(
+        optimizer, grads, trainable_variables=trainable_variables
+    )
+
+
 def in_xla_context() -> bool:
     """True while TensorFlow traces a function that XLA will compile."""
     if keras.backend.backend() != "tensorflow":
@@ -38,3 +59,22 @@ def in_xla_context() -> bool:
     if tf.executing_eagerly():
         return False
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+class BatchNormalizationWithMoments(keras.layers.BatchNormalization):
+    """``BatchNormalization`` whose batch statistics come from ``batch_moments``.
+
+    Keras computes them in the private ``_moments(inputs, mask)``; a subclass
+    overrides ``batch_moments`` instead, with the same arguments and results
+    (mean and variance over the reduction axes).
+    """
+
+    def _moments(self, inputs, mask):
+        return self.batch_moments(inputs, mask)
+
+    def batch_moments(self, inputs, mask):
+        return super()._moments(inputs, mask)
+
+    def reduction_axes(self) -> list[int]:
+        """The axes the statistics are taken over (all but the feature axes)."""
+        return list(self._reduction_axes)
