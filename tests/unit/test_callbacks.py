@@ -61,15 +61,45 @@ def test_schedule_multiplies_a_learning_rate_schedule():
     np.testing.assert_allclose(rates, [0.2 * 0.5**i for i in range(3)], rtol=1e-6)
 
 
-def test_momentum_correction_warns_once_that_it_has_no_effect():
+# The two callbacks that take Horovod's `momentum_correction`.
+LR_CALLBACKS = [
+    lambda **kw: kd_callbacks.LearningRateWarmupCallback(0.1, 1, **kw),
+    lambda **kw: kd_callbacks.LearningRateScheduleCallback(0.1, 0.5, **kw),
+]
+
+
+@pytest.mark.parametrize("make", LR_CALLBACKS, ids=["warmup", "schedule"])
+def test_momentum_correction_asked_for_warns_once_that_it_has_no_effect(make):
     _keras._warned.discard("momentum_correction")
-    optimizer = DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
-    with pytest.warns(UserWarning, match="momentum_correction has no effect"):
-        _fit([kd_callbacks.LearningRateWarmupCallback(0.1, 1)], optimizer, epochs=1)
+    with pytest.warns(UserWarning, match="momentum_correction has no effect") as caught:
+        _fit([make(momentum_correction=True)],
+             DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), epochs=1)
+    assert sum("momentum_correction" in str(w.message) for w in caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        _fit([make(momentum_correction=True)],
+             DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), epochs=1)
+
+
+@pytest.mark.parametrize("make", LR_CALLBACKS, ids=["warmup", "schedule"])
+@pytest.mark.parametrize("asked", [{}, {"momentum_correction": False},
+                                   {"momentum_correction": None}], ids=["default", "false", "none"])
+def test_momentum_correction_not_asked_for_is_silent(make, asked):
+    _keras._warned.discard("momentum_correction")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _fit([kd_callbacks.LearningRateWarmupCallback(0.1, 1)],
-             DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), epochs=1)
+        _fit([make(**asked)], DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
+             epochs=1)
+    assert "momentum_correction" not in _keras._warned
+
+
+def test_momentum_correction_without_momentum_is_silent():
+    _keras._warned.discard("momentum_correction")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _fit([kd_callbacks.LearningRateWarmupCallback(0.1, 1, momentum_correction=True)],
+             epochs=1)
+    assert "momentum_correction" not in _keras._warned
 
 
 def test_metric_average_and_broadcast_are_no_ops_at_size_one():

@@ -21,11 +21,13 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         end_epoch: first epoch it no longer applies to; ``None`` for no end.
         staircase: update once per epoch (``True``) or every batch, with the
             fractional epoch ``epoch + batch / steps_per_epoch``.
-        momentum_correction: accepted for Horovod compatibility, without
-            effect: Keras 3 optimizers read ``momentum`` as a Python number
-            when the train step is traced, so a per-batch momentum change
-            never reaches the step. A warning says so once when the
-            optimizer has a momentum.
+        momentum_correction: Horovod's option to scale the momentum with
+            each learning-rate change. It has no effect in Keras 3: the
+            optimizers read ``momentum`` as a Python number when the train
+            step is traced, so a change made by a callback never reaches the
+            step. ``None`` (default, not asked for) and ``False`` say
+            nothing; an explicit ``True`` with an optimizer that has a
+            momentum warns once that training proceeds without it.
         steps_per_epoch: batches per epoch; inferred from ``fit`` if ``None``
             (needed only when ``staircase=False``).
 
@@ -45,7 +47,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def __init__(self, initial_lr: float, multiplier, start_epoch: int = 0,
                  end_epoch: int | None = None, staircase: bool = True,
-                 momentum_correction: bool = True, steps_per_epoch: int | None = None):
+                 momentum_correction: bool | None = None, steps_per_epoch: int | None = None):
         super().__init__()
         if end_epoch is not None and end_epoch < start_epoch:
             raise ValueError(

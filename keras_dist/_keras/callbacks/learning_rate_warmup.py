@@ -18,8 +18,9 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     Args:
         initial_lr: the learning rate after warmup (usually scaled by size).
         warmup_epochs: epochs the warmup lasts.
-        momentum_correction: accepted, without effect (see
-            `LearningRateScheduleCallback`); warns once.
+        momentum_correction: Horovod's momentum scaling, which has no
+            effect in Keras 3 (see `LearningRateScheduleCallback`); an
+            explicit ``True`` with a momentum optimizer warns once.
         steps_per_epoch: ``S``; inferred from ``fit`` if ``None``.
         verbose: if > 0, rank 0 prints once when the warmup ends.
 
@@ -36,7 +37,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     _batch_offset = 1
 
     def __init__(self, initial_lr: float, warmup_epochs: int = 5,
-                 momentum_correction: bool = True, steps_per_epoch: int | None = None,
+                 momentum_correction: bool | None = None, steps_per_epoch: int | None = None,
                  verbose: int = 0):
         if warmup_epochs <= 0:
             raise ValueError(
