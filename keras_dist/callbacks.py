@@ -1,6 +1,7 @@
 """Public path of the Keras callbacks (``keras_dist._keras.callbacks``)."""
 
 from keras_dist._keras.callbacks import (
+    BestModelCheckpoint,
     BroadcastGlobalVariablesCallback,
     LearningRateScheduleCallback,
     LearningRateWarmupCallback,
@@ -8,6 +9,7 @@ from keras_dist._keras.callbacks import (
 )
 
 __all__ = [
+    "BestModelCheckpoint",
     "BroadcastGlobalVariablesCallback",
     "LearningRateScheduleCallback",
     "LearningRateWarmupCallback",

@@ -14,7 +14,7 @@ import pytest
 from tests._mp import run_job
 
 WORKERS = Path(__file__).with_name("workers")
-SUITES = {"tape.py": "TAPE", "sync_batch_norm.py": "SYNCBN"}
+SUITES = {"tape.py": "TAPE", "sync_batch_norm.py": "SYNCBN", "keras_api.py": "KERASAPI"}
 
 
 @pytest.mark.timeout(300)
