@@ -73,6 +73,10 @@ _LAZY = {
     "shard": ("keras_dist.data", "shard"),
     "SyncBatchNormalization": ("keras_dist._keras.sync_batch_norm", "SyncBatchNormalization"),
     "callbacks": ("keras_dist.callbacks", None),
+    "size_op": ("keras_dist.tensor.tf_ops", "size_op"),
+    "rank_op": ("keras_dist.tensor.tf_ops", "rank_op"),
+    "local_size_op": ("keras_dist.tensor.tf_ops", "local_size_op"),
+    "local_rank_op": ("keras_dist.tensor.tf_ops", "local_rank_op"),
 }
 
 
@@ -126,7 +130,7 @@ __all__ = [
     "allgather_object", "allreduce", "barrier", "broadcast", "broadcast_object",
     "broadcast_variables", "callbacks", "ccl_built", "cross_rank", "cross_size", "cuda_built",
     "ddl_built", "gloo_built", "gloo_enabled", "grouped_allreduce", "init", "is_initialized",
-    "load_model", "local_rank", "local_size", "mpi_built", "mpi_enabled",
-    "mpi_threads_supported", "nccl_built", "rank", "rocm_built", "shard", "shutdown", "size",
-    "start_timeline", "stop_timeline",
+    "load_model", "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "rank_op", "rocm_built",
+    "shard", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
 ]

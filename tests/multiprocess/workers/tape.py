@@ -157,6 +157,16 @@ def test_training_loop_ends_bit_identical():
     assert all(w == everyone[0] for w in everyone), "weights differ between ranks"
 
 
+def test_group_graph_ops():
+    @tf.function
+    def shape_ops():
+        return kd.size_op(), kd.rank_op(), kd.local_size_op(), kd.local_rank_op()
+
+    got = [int(t) for t in shape_ops()]
+    assert got == [SIZE, RANK, kd.local_size(), kd.local_rank()], got
+    assert int(kd.size_op()) == SIZE  # eagerly too
+
+
 def test_bad_arguments():
     with tf.GradientTape() as tape:
         pass
