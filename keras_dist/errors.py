@@ -1,7 +1,8 @@
 """The one exception hierarchy of keras_dist.
 
-Every class here is picklable (its state lives in ``args``), so an error raised
-on one rank can be sent to the others with ``broadcast_object``.
+Every class here is picklable (its state lives in ``args``; PeerFailureError's
+``peer_rank`` travels with it), so an error raised on one rank can be sent to
+the others with ``broadcast_object``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,20 @@ class CollectiveMismatchError(KerasDistError):
 
 
 class PeerFailureError(KerasDistError):
-    """A peer rank died or left the job while this rank waited on it."""
+    """A peer rank died or left the job while this rank waited on it.
+
+    Args:
+        message: what happened, naming the peer.
+        peer_rank: the rank that failed first, when known: this error is a
+            consequence of that rank's failure (kdrun names that rank, not this one).
+    """
+
+    def __init__(self, message: str = "", peer_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.peer_rank = peer_rank
+
+    def __reduce__(self):
+        return type(self), (str(self), self.peer_rank)
 
 
 class CollectiveTimeoutError(KerasDistError, TimeoutError):

@@ -79,7 +79,7 @@ class Waiter:
             if not process_alive(pid):
                 raise PeerFailureError(
                     f"rank {peer} (pid {pid}) died while rank {self.rank} waited in {what} "
-                    f"(transport {self.transport})"
+                    f"(transport {self.transport})", peer_rank=peer,
                 )
 
     def _missing_text(self) -> str:

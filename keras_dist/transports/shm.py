@@ -36,12 +36,19 @@ _NATIVE_ERRORS = (
 )
 
 
+# The peer a native PeerFailureError names after "<collective> on rank R: ": "rank P
+# (pid ...) died ...", "rank P (local rank L) aborted: ...", "cannot read the buffer of
+# rank P ...". A bare "local rank P" is not a rank of the job: no peer then.
+_PEER_RE = re.compile(r": (?:cannot read the buffer of )?rank (\d+) ")
+
+
 def _translate(exc: Exception) -> errors.KerasDistError:
     """The keras_dist error for a native engine error."""
     if isinstance(exc, _native.CollectiveMismatchError):
         return errors.CollectiveMismatchError(str(exc))
     if isinstance(exc, _native.PeerFailureError):
-        return errors.PeerFailureError(str(exc))
+        found = _PEER_RE.search(str(exc))
+        return errors.PeerFailureError(str(exc), peer_rank=int(found[1]) if found else None)
     if isinstance(exc, _native.CollectiveTimeoutError):
         return errors.CollectiveTimeoutError(str(exc))
     return errors.TransportError(str(exc))
