@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+from keras_dist.launcher.hosts import format_hosts
 from keras_dist.launcher.options import LaunchOptions
 
 
@@ -39,14 +40,19 @@ def mpi_flavor(mpiexec: str) -> str:
 def build_command(
     mpiexec: str, flavor: str, options: LaunchOptions, job_env: dict[str, str]
 ) -> list[str]:
-    """The mpiexec command line that runs ``options.command`` with ``job_env`` set."""
+    """The mpiexec command line that runs ``options.command`` with ``job_env`` set.
+
+    In a Slurm job (``options.slurm``), hydra is told to start its proxies with
+    ``srun`` (``-launcher slurm``) on the job's nodes; Open MPI's mpirun finds
+    the job's nodes and launches through Slurm by itself, so it is given no hosts.
+    """
     args = [mpiexec]
     if flavor.startswith("openmpi"):
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             args.append("--allow-run-as-root")
         args.append("--oversubscribe")
-        if options.hosts:
-            args += ["-H", ",".join(f"{host}:{slots}" for host, slots in options.hosts)]
+        if options.hosts and not options.slurm:
+            args += ["-H", format_hosts(options.hosts)]
         for name, value in job_env.items():
             args += ["-x", f"{name}={value}"]
         if options.output_dir and flavor == "openmpi5":
@@ -55,8 +61,10 @@ def build_command(
             args += ["--output-filename", options.output_dir]
         args += ["-np", str(options.num_proc)]
     else:
+        if options.slurm:
+            args += ["-launcher", "slurm"]
         if options.hosts:
-            args += ["-hosts", ",".join(f"{host}:{slots}" for host, slots in options.hosts)]
+            args += ["-hosts", format_hosts(options.hosts)]
         for name, value in job_env.items():
             args += ["-genv", name, value]
         if options.output_dir:

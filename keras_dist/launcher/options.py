@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
+
+from keras_dist.launcher import hosts as _hosts
+from keras_dist.launcher import slurm as _slurm
 
 USAGE = """\
-usage: kdrun -np N [-H HOST:SLOTS[,...]] [--timeline PATH] [--output-dir DIR] [--] COMMAND...
+usage: kdrun [-np N] [-H HOST:SLOTS[,...] | --hostfile FILE] [--timeline PATH]
+             [--output-dir DIR] [--] COMMAND...
 
 Runs COMMAND (no shell) on N ranks through mpiexec.
 
 options:
-  -np N, -n N          number of ranks
-  -H, --hosts LIST     hosts and slots, e.g. node1:2,node2:2 (default: this machine)
+  -np N, -n N          number of ranks (default: the slots of the hosts; required
+                       without hosts); at most the slots of the hosts
+  -H, --hosts LIST     hosts and slots, e.g. node1:2,node2:2 (default: this machine,
+                       or the nodes of the Slurm job kdrun runs in)
+  --hostfile FILE      hosts from FILE, one a line: `host slots=N`, `host:N` or `host`
   --timeline PATH      write a Chrome-trace timeline of the collectives to PATH
   --output-dir DIR     write each rank's output to DIR/rank<r>.stdout and .stderr
                        (MPICH; Open MPI writes its own layout under DIR)
@@ -35,31 +43,60 @@ class LaunchOptions:
     timeline: str | None = None
     mpiexec: str | None = None
     output_dir: str | None = None
+    #: The hosts are the nodes of the Slurm job kdrun runs in; mpiexec starts
+    #: its processes there through Slurm.
+    slurm: bool = False
 
 
-def _parse_hosts(text: str) -> tuple[tuple[str, int], ...]:
-    hosts = []
-    for item in text.split(","):
-        name, _, slots = item.strip().partition(":")
-        if not name or (slots and not slots.isdigit()) or slots == "0":
-            raise UsageError(
-                f"`-H` must be a comma-separated list of host[:slots] with slots >= 1. "
-                f"Received: -H {text!r}"
-            )
-        hosts.append((name, int(slots) if slots else 1))
-    return tuple(hosts)
+def _resolve_hosts(
+    values: dict[str, str], environ: Mapping[str, str]
+) -> tuple[_hosts.Hosts, str, _slurm.Allocation | None]:
+    """The hosts from -H, --hostfile or Slurm (in that order), with a description
+    of where they came from for messages, and the Slurm job when they are its nodes."""
+    if "hosts" in values and "hostfile" in values:
+        raise UsageError("`-H` and `--hostfile` cannot be used together. Received: "
+                         f"-H {values['hosts']!r} --hostfile {values['hostfile']!r}")
+    try:
+        if "hosts" in values:
+            return _hosts.parse_host_list(values["hosts"]), f"-H {values['hosts']}", None
+        if "hostfile" in values:
+            hosts = _hosts.read_hostfile(values["hostfile"])
+            return hosts, f"--hostfile {values['hostfile']}", None
+        allocation = _slurm.find_allocation(environ)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if allocation is None:
+        return (), "", None
+    return (allocation.hosts,
+            f"Slurm job {allocation.job_id}: {_hosts.format_hosts(allocation.hosts)}",
+            allocation)
 
 
-def parse_args(argv: list[str]) -> LaunchOptions:
+def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> LaunchOptions:
     """Parses kdrun's arguments; everything from the command on is passed untouched.
 
+    The hosts are those of ``-H`` or ``--hostfile``; without either, inside a
+    Slurm job (``SLURM_JOB_ID`` and ``SLURM_JOB_NODELIST`` in ``environ``), the
+    job's nodes with ``SLURM_TASKS_PER_NODE`` slots each. ``-np`` defaults to
+    ``SLURM_NTASKS`` in a Slurm job, else to the slots of the hosts given, and
+    may not exceed those slots (as horovodrun: "Requested more processes than
+    there are available slots"). Without hosts, ranks run on this machine and
+    ``-np`` is required.
+
+    Args:
+        argv: kdrun's arguments, without the program name.
+        environ: the environment to look for a Slurm job in (default ``os.environ``).
+
     Raises:
-        UsageError: an unknown option, a missing value, or no command.
+        UsageError: an unknown option, a missing or malformed value, ``-H`` with
+            ``--hostfile``, a bad host file or Slurm variable, ``-np`` above the
+            slots of the hosts, or no command.
     """
     values: dict[str, str] = {}
     names = {
         "-np": "np", "-n": "np", "--num-proc": "np",
         "-H": "hosts", "--hosts": "hosts", "-hosts": "hosts",
+        "--hostfile": "hostfile", "-hostfile": "hostfile",
         "--timeline": "timeline", "--mpiexec": "mpiexec", "--output-dir": "output_dir",
     }
     index = 0
@@ -84,17 +121,30 @@ def parse_args(argv: list[str]) -> LaunchOptions:
         values[names[name]] = value
         index += 1
     command = tuple(argv[index:])
-    if "np" not in values:
-        raise UsageError("`-np N` is required.")
-    if not values["np"].isdigit() or int(values["np"]) < 1:
+    hosts, hosts_source, allocation = _resolve_hosts(
+        values, os.environ if environ is None else environ)
+    if "np" in values and (not values["np"].isdigit() or int(values["np"]) < 1):
         raise UsageError(f"`-np` must be a whole number >= 1. Received: -np {values['np']!r}")
+    if "np" in values:
+        num_proc = int(values["np"])
+    elif hosts:
+        num_proc = allocation.num_tasks if allocation else _hosts.total_slots(hosts)
+    else:
+        raise UsageError("`-np N` is required without -H, --hostfile or a Slurm job.")
+    if hosts and num_proc > _hosts.total_slots(hosts):
+        given = f"-np {num_proc}" if "np" in values else f"SLURM_NTASKS={num_proc}"
+        raise UsageError(
+            f"`-np` must be at most the {_hosts.total_slots(hosts)} slots of the hosts "
+            f"({hosts_source}). Received: {given}"
+        )
     if not command:
         raise UsageError("No command given to run.")
     timeline = values.get("timeline")
     return LaunchOptions(
-        num_proc=int(values["np"]),
+        num_proc=num_proc,
         command=command,
-        hosts=_parse_hosts(values["hosts"]) if "hosts" in values else (),
+        hosts=hosts,
+        slurm=allocation is not None,
         timeline=os.path.abspath(timeline) if timeline else None,
         mpiexec=values.get("mpiexec"),
         output_dir=os.path.abspath(values["output_dir"]) if "output_dir" in values else None,
