@@ -201,7 +201,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
                     "When passing `grads` without `variables`, the optimizer must already "
                     "be built. Call `optimizer.build(trainable_variables)` first."
                 )
-            trainable_variables = self._trainable_variables
+            trainable_variables = compat.built_variables(self)
         else:
             trainable_variables = list(trainable_variables)
             if not self.built:
@@ -231,7 +231,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
     def _accumulate(self, grads, trainable_variables):
         steps = self.backward_passes_per_step
         accumulators = [
-            self.gradient_accumulators[self._get_variable_index(v)]
+            self.gradient_accumulators[compat.variable_index(self, v)]
             for v in trainable_variables
         ]
         for grad, accumulator in zip(grads, accumulators):
@@ -302,7 +302,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _apply_reduced(self, grads, trainable_variables):
         if self._uses_loss_scale():
-            self._common_apply(grads, trainable_variables=trainable_variables)
+            compat.loss_scale_apply(self, grads, trainable_variables)
         else:
             self.inner_optimizer.apply(grads, trainable_variables)
 

@@ -1,0 +1,103 @@
+"""Every function of keras_dist._keras.compat (the private Keras/TF APIs) on the installed Keras.
+
+CI runs this file on the newest Keras and again on the oldest supported one
+(``.ci/run``), so a Keras release that moves one of these APIs fails here,
+by name, rather than somewhere inside ``fit``.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_dist as kd  # noqa: E402
+from keras_dist._keras import compat  # noqa: E402
+from keras_dist._keras.optimizer import DistributedOptimizer  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    kd.init()
+
+
+class _Holder(keras.layers.Layer):
+    def tracked(self):
+        self.kept = keras.Variable(np.ones(2, np.float32), name="kept")
+
+    @compat.no_automatic_dependency_tracking
+    def untracked(self):
+        self.hidden = keras.Variable(np.ones(3, np.float32), name="hidden")
+
+
+def test_no_automatic_dependency_tracking_keeps_attributes_out_of_the_weights():
+    layer = _Holder()
+    layer.tracked()
+    layer.untracked()
+    names = [w.name for w in layer.weights]
+    assert "kept" in names  # the control: Keras tracks what is set without the decorator
+    assert "hidden" not in names, names
+    assert layer.hidden.shape == (3,)
+
+
+def test_print_msg_prints_through_keras(capsys):
+    was_interactive = keras.config.is_interactive_logging_enabled()
+    keras.config.enable_interactive_logging()
+    try:
+        compat.print_msg("keras_dist compat message")
+    finally:
+        if not was_interactive:
+            keras.config.disable_interactive_logging()
+    assert "keras_dist compat message" in capsys.readouterr().out
+
+
+def test_learning_rate_attribute_reads_and_replaces_the_stored_rate():
+    optimizer = keras.optimizers.SGD(0.25)
+    stored = compat.learning_rate_attribute(optimizer)
+    assert isinstance(stored, keras.Variable)
+    assert float(keras.ops.convert_to_numpy(stored)) == 0.25
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.5, decay_steps=1, decay_rate=0.5)
+    compat.set_learning_rate_attribute(optimizer, schedule)
+    assert compat.learning_rate_attribute(optimizer) is schedule
+    # The optimizer's public learning rate now evaluates the schedule at its step (0).
+    assert float(keras.ops.convert_to_numpy(optimizer.learning_rate)) == pytest.approx(0.5)
+
+
+def test_built_variables_and_their_index_follow_build_order():
+    variables = [keras.Variable(np.zeros(n, np.float32), name=f"v{n}") for n in (1, 2, 3)]
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(variables)
+    built = compat.built_variables(optimizer)
+    assert [v.name for v in built] == ["v1", "v2", "v3"]
+    assert [compat.variable_index(optimizer, v) for v in reversed(variables)] == [2, 1, 0]
+
+
+def test_loss_scale_apply_applies_finite_gradients_and_skips_the_others():
+    variable = keras.Variable(np.ones(3, np.float32))
+    optimizer = DistributedOptimizer(keras.optimizers.SGD(0.5), loss_scale=True,
+                                     initial_scale=8.0)
+    optimizer.build([variable])
+    # Gradients of the scaled loss: the step unscales them by 8.
+    compat.loss_scale_apply(optimizer, [keras.ops.full((3,), 8.0)], [variable])
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(variable), [0.5] * 3)
+    assert float(keras.ops.convert_to_numpy(optimizer.dynamic_scale)) == 8.0
+    compat.loss_scale_apply(optimizer, [keras.ops.convert_to_tensor([np.inf, 1.0, 1.0])],
+                            [variable])
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(variable), [0.5] * 3)
+    assert float(keras.ops.convert_to_numpy(optimizer.dynamic_scale)) == 4.0
+
+
+def test_in_xla_context_is_true_only_while_xla_traces():
+    seen = {}
+
+    def probe(label):
+        seen[label] = compat.in_xla_context()
+        return tf.constant(0.0)
+
+    probe("eager")
+    tf.function(lambda: probe("graph"))()
+    tf.function(lambda: probe("xla"), jit_compile=True)()
+    assert seen == {"eager": False, "graph": False, "xla": True}
