@@ -1,7 +1,9 @@
 """Every private Keras and TensorFlow API keras_dist uses, in one place.
 
-Supported: Keras 3.3 to 3.15 (``pyproject.toml`` bounds the range; the oldest
-and newest are tested). When Keras moves one of these, only this module changes.
+Supported: Keras 3.9.0 and later 3.x (``pyproject.toml`` bounds the range;
+``tests/unit/test_compat.py`` runs on the newest Keras and, in ``.ci/run``, on
+the oldest with TensorFlow 2.16). When Keras moves one of these, only this
+module changes.
 """
 
 from __future__ import annotations
