@@ -20,7 +20,7 @@ from keras_dist._runtime import context, timeline
 from keras_dist._vocab import Average, ReduceOp
 from keras_dist.tensor import fusion, outputs
 from keras_dist.tensor.compression import Compression
-from keras_dist.tensor.conversions import is_cupy, run, unwrap
+from keras_dist.tensor.conversions import dtype_of, is_cupy, run, unwrap
 
 #: Transport calls made by this process, by collective ("allreduce", ...).
 #: One fused bucket is one call. Tests count collectives with it.
@@ -28,7 +28,8 @@ COUNTERS: collections.Counter = collections.Counter()
 
 
 # ---------------------------------------------------------------------------
-# Argument checks.
+# Argument checks. Every collective makes them before anything else, at any
+# size (a call that fails at 2 ranks fails the same way at 1).
 
 
 def _check_op(op) -> ReduceOp:
@@ -50,12 +51,22 @@ def _check_root(root_rank, size: int) -> int:
     return int(root_rank)
 
 
-def _check_dtypes(arrays: Sequence[np.ndarray], collective: str) -> None:
-    for array in arrays:
-        if not _vocab.is_supported(array.dtype):
+def _check_dtypes(dtypes: Sequence[np.dtype], collective: str) -> None:
+    for dtype in dtypes:
+        if not _vocab.is_supported(dtype):
             raise TypeError(
                 f"`{collective}` supports {_vocab.SUPPORTED_DTYPE_NAMES}. "
-                f"Received: dtype={array.dtype.name}"
+                f"Received: dtype={np.dtype(dtype).name}"
+            )
+
+
+def _check_broadcast_dtypes(dtypes: Sequence[np.dtype], collective: str) -> None:
+    """Broadcasts move bytes: any fixed-size number or bool travels unchanged."""
+    for dtype in dtypes:
+        if not (_vocab.is_supported(dtype) or np.dtype(dtype).kind in "biufc"):
+            raise TypeError(
+                f"`{collective}` supports booleans and numbers. "
+                f"Received: dtype={np.dtype(dtype).name}"
             )
 
 
@@ -63,16 +74,16 @@ def _check_dtypes(arrays: Sequence[np.ndarray], collective: str) -> None:
 # Numpy cores: flat buffers through the transport.
 
 
-def _check_allreduce_inputs(arrays: Sequence[np.ndarray], prescale: float,
+def _check_allreduce_inputs(dtypes: Sequence[np.dtype], prescale: float,
                             postscale: float) -> None:
-    _check_dtypes(arrays, "allreduce")
+    _check_dtypes(dtypes, "allreduce")
     if prescale == 1.0 and postscale == 1.0:
         return
-    for array in arrays:
-        if not _vocab.is_float(array.dtype):
+    for dtype in dtypes:
+        if not _vocab.is_float(dtype):
             raise TypeError(
                 "`prescale_factor` and `postscale_factor` apply to floating-point values only. "
-                f"Received: dtype={array.dtype.name}, prescale_factor={prescale}, "
+                f"Received: dtype={np.dtype(dtype).name}, prescale_factor={prescale}, "
                 f"postscale_factor={postscale}"
             )
 
@@ -81,7 +92,7 @@ def _allreduce_numpy(x: np.ndarray, op: ReduceOp, prescale: float, postscale: fl
                      name: str) -> np.ndarray:
     """``allreduce`` of one numpy array: reduced in its fresh output, no fusion."""
     group = context.get()
-    _check_allreduce_inputs([x], prescale, postscale)
+    _check_allreduce_inputs([x.dtype], prescale, postscale)
     if group.size == 1:
         return x if prescale * postscale == 1.0 else x * (prescale * postscale)
     out = outputs.POOL.empty(x.shape, x.dtype)
@@ -114,7 +125,7 @@ def _describe(prefix: str, members: tuple, group_length: int) -> str:
 def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
                       postscale: float, name: str) -> list[np.ndarray]:
     group = context.get()
-    _check_allreduce_inputs(arrays, prescale, postscale)
+    _check_allreduce_inputs([a.dtype for a in arrays], prescale, postscale)
     if group.size == 1:
         if prescale * postscale == 1.0:
             return arrays
@@ -174,12 +185,12 @@ def _allgather_array(array: np.ndarray, name: str) -> np.ndarray:
     array = np.ascontiguousarray(array)
     if array.ndim == 0:
         array = array.reshape(1)
-    if group.size == 1:
-        return array.copy()
-    _check_dtypes([array], "allgather")
+    _check_dtypes([array.dtype], "allgather")
     if array.ndim > _MAX_GATHER_NDIM:
         raise ValueError(f"`allgather` takes at most {_MAX_GATHER_NDIM} dimensions. "
                          f"Received: shape={array.shape}")
+    if group.size == 1:
+        return array.copy()
     # Shapes first: ranks may differ in the first dimension only.
     header = np.zeros(2 + _MAX_GATHER_NDIM, np.int64)
     header[:2] = array.ndim, _vocab.dtype_code(array.dtype)
@@ -248,11 +259,20 @@ def grouped_allreduce(xs: Sequence, op: ReduceOp = Average, name: str | None = N
         raise TypeError(f"`xs` must be a list or tuple of tensors. Received: {type(xs)}")
     if not xs:
         return []
-    if any(is_cupy(unwrap(x)) for x in xs):
+    on_gpu = [is_cupy(unwrap(x)) for x in xs]
+    if any(on_gpu) and not all(on_gpu):
+        raise TypeError(
+            "`grouped_allreduce` takes cupy arrays only or host values only in one call. "
+            f"Received: cupy arrays at positions {[i for i, g in enumerate(on_gpu) if g]} "
+            f"and other values at {[i for i, g in enumerate(on_gpu) if not g]}"
+        )
+    _check_allreduce_inputs([dtype_of(x) for x in xs], float(prescale_factor),
+                            float(postscale_factor))
+    if on_gpu[0]:
         from keras_dist.tensor import gpu
 
-        return gpu.grouped_allreduce(list(xs), op, prescale_factor, postscale_factor,
-                                     compression, COUNTERS)
+        return gpu.grouped_allreduce(list(xs), op, float(prescale_factor),
+                                     float(postscale_factor), compression, COUNTERS)
     compressed, contexts = zip(*(compression.compress(unwrap(x)) for x in xs))
     results = run(
         compressed,
@@ -270,6 +290,7 @@ def allgather(x, name: str | None = None):
     scalar counts as a vector of one element.
     """
     context.get()
+    _check_dtypes([dtype_of(x)], "allgather")
     return run([x], lambda arrays: [_allgather_array(arrays[0], name or "allgather")],
                 "allgather", shapes=lambda s: [None, *s[1:]])[0]
 
@@ -278,6 +299,7 @@ def broadcast(x, root_rank: int, name: str | None = None):
     """Returns ``root_rank``'s ``x`` on every rank. Shapes and dtypes must match."""
     group = context.get()
     root = _check_root(root_rank, group.size)
+    _check_broadcast_dtypes([dtype_of(x)], "broadcast")
     return run([x], lambda arrays: _broadcast_arrays(arrays, root, name or "broadcast"),
                 "broadcast")[0]
 
@@ -292,6 +314,13 @@ def broadcast_variables(variables: Sequence, root_rank: int = 0) -> None:
     group = context.get()
     root = _check_root(root_rank, group.size)
     variables = list(variables)
+    for index, variable in enumerate(variables):
+        if not callable(getattr(variable, "assign", None)):
+            raise TypeError(
+                "`variables` must be Keras or TensorFlow variables. "
+                f"Received: {type(variable).__name__} at position {index}"
+            )
+    _check_broadcast_dtypes([dtype_of(v) for v in variables], "broadcast_variables")
     if group.size == 1 or not variables:
         return
     values = run(variables, lambda arrays: _broadcast_arrays(arrays, root, "broadcast_variables"),
@@ -304,9 +333,11 @@ def broadcast_object(obj, root_rank: int = 0):
     """Returns ``root_rank``'s picklable ``obj`` on every rank."""
     group = context.get()
     root = _check_root(root_rank, group.size)
+    # Pickled at every size: an object that cannot travel fails at one rank too.
+    pickled = pickle.dumps(obj) if group.rank == root else None
     if group.size == 1:
         return obj
-    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if group.rank == root else None
+    payload = None if pickled is None else np.frombuffer(pickled, np.uint8)
     length = np.array([0 if payload is None else payload.size], np.int64)
     group.transport.broadcast(length, root, name="broadcast_object length")
     if payload is None:
@@ -321,9 +352,10 @@ def broadcast_object(obj, root_rank: int = 0):
 def allgather_object(obj) -> list:
     """Returns the list of every rank's picklable ``obj``, in rank order."""
     group = context.get()
+    pickled = pickle.dumps(obj)  # at every size, as for broadcast_object
     if group.size == 1:
         return [obj]
-    payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+    payload = np.frombuffer(pickled, np.uint8)
     lengths = _allgather_array(np.array([payload.size], np.int64), "allgather_object lengths")
     gathered = _allgather_array(payload, "allgather_object")
     COUNTERS["allgather_object"] += 1

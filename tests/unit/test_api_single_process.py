@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
+from tests.multiprocess.workers import bad_inputs
+
+BAD_CALLS = bad_inputs.CASES
 
 
 def test_calls_before_init_say_to_call_init():
@@ -73,3 +76,9 @@ def test_timeline_writes_valid_json(tmp_path):
     kd.stop_timeline()
     events = json.loads(path.read_text())
     assert isinstance(events, list)
+
+
+@pytest.mark.parametrize("case", BAD_CALLS, ids=[case.label for case in BAD_CALLS])
+def test_invalid_calls_raise_at_one_rank_what_they_raise_at_several(case):
+    # The same cases run on every rank at 2 and 3 ranks in workers/collectives.py.
+    assert bad_inputs.raised(case, kd, kd.size()) is None

@@ -238,6 +238,20 @@ def test_bad_input():
         raise AssertionError("op='sum' was accepted")
 
 
+def test_invalid_calls_raise_what_they_raise_at_one_rank():
+    # The cases tests/unit/test_api_single_process.py checks at size 1: here every
+    # rank must raise the same, before any data moves.
+    import bad_inputs  # beside this file, which runs as a script
+
+    failures = [failure for case in bad_inputs.CASES if case.every_rank
+                for failure in [bad_inputs.raised(case, kd, SIZE)] if failure]
+    assert not failures, "\n".join(failures)
+    # Nothing of the failed calls is left in flight: the next collective lines up.
+    inputs = [contribution(8000, r, 33, np.float64, kd.Sum) for r in range(SIZE)]
+    check("allreduce after the invalid calls", kd.allreduce(inputs[RANK], op=kd.Sum),
+          reference(kd.Sum, inputs), inputs)
+
+
 if __name__ == "__main__":
     for name, function in list(globals().items()):
         if name.startswith("test_"):
