@@ -1,7 +1,10 @@
-"""GPU values (cupy arrays) through the NCCL transport.
+"""GPU values (cupy arrays) through the group's GPU data plane.
 
-The tensor layer hands cupy values here; they are fused by dtype on the
-device and reduced by NCCL without a trip through host memory.
+The tensor layer hands cupy values here, already validated; they are fused
+by dtype on the device, and each fused buffer is reduced by the transport
+``KERAS_DIST_GPU_OPERATIONS`` chooses (``transports.gpu_transport``): NCCL,
+without a trip through host memory, or the CPU transport with the buffer
+staged in host memory. The result stays on the device either way.
 """
 
 from __future__ import annotations
@@ -15,10 +18,9 @@ from keras_dist.tensor import fusion
 
 def grouped_allreduce(values: list, op: _vocab.ReduceOp, prescale: float, postscale: float,
                       compression, counters: collections.Counter) -> list:
+    """``values`` (cupy arrays) reduced across ranks; cupy arrays on the same device out."""
     group = context.get()
     compressed, contexts = zip(*(compression.compress(v) for v in values))
-    for value in compressed:
-        _vocab.dtype_code(value.dtype)
     if group.size == 1:
         scale = prescale * postscale
         results = [v if scale == 1.0 else v * scale for v in compressed]

@@ -53,9 +53,46 @@ def native_available() -> bool:
 
 
 def gpu_transport(group) -> Transport:
-    """The group's NCCL transport, created on first use (it needs a GPU and cupy)."""
-    if group.gpu_transport is None:
-        from keras_dist.transports.nccl import NcclTransport
+    """The data plane for the group's GPU (cupy) values (``KERAS_DIST_GPU_OPERATIONS``).
 
-        group.gpu_transport = NcclTransport(group.comm, group.local_rank)
+    ``nccl``: the NCCL transport (a ``TransportError`` when cupy, its NCCL or
+    a GPU is missing: an explicit request is never silently replaced).
+    ``mpi``: the values are copied to the host, reduced on the group's CPU
+    transport and copied back. ``auto``: ``nccl`` when every rank has cupy with
+    NCCL and a GPU, else ``mpi``; ranks agree on it, so none waits in NCCL
+    for a rank that reduces on the host. Made on first use (collectively, as
+    the first GPU collective is), then kept.
+
+    Args:
+        group: the process group (``keras_dist._runtime.context.Group``) of
+            size > 1.
+    """
+    if group.gpu_transport is None:
+        want = group.config.gpu_operations
+        if want == "auto":
+            everywhere = group.comm.allgather(nccl_available())
+            want = "nccl" if all(everywhere) else "mpi"
+        if want == "nccl":
+            from keras_dist.transports.nccl import NcclTransport
+
+            group.gpu_transport = NcclTransport(group.comm, group.local_rank)
+        else:
+            from keras_dist.transports.staged import HostStagedTransport
+
+            group.gpu_transport = HostStagedTransport(group.transport)
     return group.gpu_transport
+
+
+def nccl_available() -> bool:
+    """True when cupy imports with NCCL and sees a GPU (what the NCCL transport needs)."""
+    try:
+        import cupy
+        from cupy.cuda import nccl
+    except ImportError:
+        return False
+    if not getattr(nccl, "available", True):
+        return False
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return False
