@@ -103,7 +103,7 @@ def test_mpich_command():
 
 
 def test_mpich_output_dir():
-    options = kdrun_options.parse_args(["-np", "2", "--output-dir", "/o", "python"])
+    options = kdrun_options.parse_args(["-np", "2", "--output-dir", "/o", "python"], {})
     args = mpiexec.build_command("mpiexec", "mpich", options, {})
     assert args[1:5] == ["-outfile-pattern", "/o/rank%r.stdout", "-errfile-pattern",
                          "/o/rank%r.stderr"]
@@ -120,7 +120,7 @@ def test_openmpi_command():
 
 
 def test_openmpi_output_dir():
-    options = kdrun_options.parse_args(["-np", "2", "--output-dir", "/o", "python"])
+    options = kdrun_options.parse_args(["-np", "2", "--output-dir", "/o", "python"], {})
     assert "--output-filename" in mpiexec.build_command("mpirun", "openmpi", options, {})
     args = mpiexec.build_command("mpirun", "openmpi5", options, {})
     assert args[args.index("--output") + 1] == "dir=/o"
