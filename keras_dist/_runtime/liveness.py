@@ -1,9 +1,10 @@
 """Bounded waiting: peer liveness, stall warnings and timeouts for Python-side waits.
 
 A transport that waits on a request it cannot interrupt (an MPI request) polls
-it through ``Waiter.wait``: it backs off from spinning to short sleeps, checks
-that the peers on this machine are still alive, warns once when the wait
-passes the stall threshold, and raises when it passes the timeout.
+it through ``Waiter.wait``: it spins, then yields, then sleeps between polls,
+checks that the peers on this machine are still alive, warns once when the
+wait passes the stall threshold, and raises when it passes the timeout. The
+durations are the native engine's (``WAIT_TIMINGS``), one set for every wait.
 """
 
 from __future__ import annotations
@@ -17,9 +18,20 @@ from collections.abc import Callable
 from keras_dist._runtime.procfs import process_alive
 from keras_dist.errors import CollectiveTimeoutError, PeerFailureError, StallWarning
 
-_LIVENESS_PERIOD_S = 0.2
-_SPIN_POLLS = 2000
-_YIELD_POLLS = 20000
+#: The engine's wait timings (native/src/wait_timings.h gives the measurement or
+#: reason behind each). Without the native extension, the same values:
+#: tests/unit/test_liveness.py checks they are equal when it is present.
+_FALLBACK_WAIT_TIMINGS = {
+    "spin_seconds": 50e-6,  # poll without giving up the core
+    "yield_seconds": 100e-6,  # then poll with time.sleep(0), until this long
+    "futex_wait_seconds": 5e-3,  # (the engine's longest futex sleep per round)
+    "poll_sleep_seconds": 2e-4,  # then sleep this long between polls
+    "liveness_seconds": 0.1,  # period of the liveness, stall and timeout checks
+}
+try:
+    from keras_dist._native import WAIT_TIMINGS
+except ImportError:
+    WAIT_TIMINGS = dict(_FALLBACK_WAIT_TIMINGS)
 
 
 class Waiter:
@@ -50,19 +62,23 @@ class Waiter:
         if test():
             return
         start = time.monotonic()
-        next_liveness = start + _LIVENESS_PERIOD_S
+        spin_until = start + WAIT_TIMINGS["spin_seconds"]
+        while time.monotonic() < spin_until:
+            if test():
+                return
+        yield_until = start + WAIT_TIMINGS["yield_seconds"]
+        poll_sleep = WAIT_TIMINGS["poll_sleep_seconds"]
+        liveness_period = WAIT_TIMINGS["liveness_seconds"]
+        next_liveness = start + liveness_period
         warned = False
-        polls = 0
         while not test():
-            # Spin first (small collectives end within microseconds), then
-            # yield the core, then sleep: ranks may outnumber cores.
-            polls += 1
-            if polls > _SPIN_POLLS:
-                time.sleep(0 if polls < _YIELD_POLLS else 2e-4)
+            # Ranks may outnumber cores: yield the core, then sleep.
             now = time.monotonic()
-            if now >= next_liveness:
-                next_liveness = now + _LIVENESS_PERIOD_S
-                self._check_peers(what)
+            time.sleep(0 if now < yield_until else poll_sleep)
+            if now < next_liveness:
+                continue
+            next_liveness = now + liveness_period
+            self._check_peers(what)
             waited = now - start
             if not warned and self.stall_seconds and waited >= self.stall_seconds:
                 warned = True

@@ -16,6 +16,7 @@
 
 #include "reduce.h"
 #include "shm_engine.h"
+#include "wait_timings.h"
 
 namespace nb = nanobind;
 
@@ -265,6 +266,15 @@ NB_MODULE(_native, m) {
   m.def("simd_level", &kd::simd_level, "Kernel family in use: 'avx2' or 'baseline'.");
   m.def("_force_baseline", &kd::force_baseline, nb::arg("on"),
         "Tests only: use the baseline kernels even on an AVX2 CPU.");
+
+  // The one set of wait timings (wait_timings.h), for Python's waits.
+  nb::dict timings;
+  timings["spin_seconds"] = kd::kSpinSeconds;
+  timings["yield_seconds"] = kd::kYieldSeconds;
+  timings["futex_wait_seconds"] = kd::kFutexWaitSeconds;
+  timings["poll_sleep_seconds"] = kd::kPollSleepSeconds;
+  timings["liveness_seconds"] = kd::kLivenessSeconds;
+  m.attr("WAIT_TIMINGS") = timings;
 
   nb::exception<kd::MismatchError>(m, "CollectiveMismatchError");
   nb::exception<kd::PeerFailureError>(m, "PeerFailureError");

@@ -10,9 +10,10 @@
 //   hash, root) into one of two header lines (alternating per collective); after
 //   the first wait every rank compares all headers, so a mismatch raises on
 //   every rank before any data is exchanged, and leaves the engine usable.
-// * Waits spin briefly, then yield, then sleep with backoff; every 100 ms they
-//   check that the awaited peers are alive and that no rank has aborted, warn
-//   after stall_seconds and raise after timeout_seconds.
+// * Waits spin, then yield, then block in a futex (wait_timings.h has the
+//   durations); every kLivenessSeconds they check that the awaited peers are
+//   alive and that no rank has aborted, warn after stall_seconds and raise
+//   after timeout_seconds.
 // * Large allreduces and allgathers, when every rank can read its peers'
 //   memory (process_vm_readv, probed at attach), skip the slots: each rank
 //   publishes the addresses of its buffers in its header, reads the peers'
@@ -20,6 +21,7 @@
 //   alive until all peers have read it. Every rank picks the same path (it
 //   depends only on what the header check compares), and the header says it.
 #include "shm_engine.h"
+#include "wait_timings.h"
 
 #include <fcntl.h>
 #include <sched.h>
@@ -56,6 +58,7 @@ namespace {
 constexpr uint64_t kMagic = 0x6b645f73686d3031ull;  // "kd_shm01"
 constexpr size_t kLine = 64;
 constexpr size_t kPage = 4096;
+constexpr long kFutexWaitNanoseconds = long(kFutexWaitSeconds * 1e9);
 // Messages up to this size go in one round (every rank reduces everything).
 constexpr size_t kSmallBytes = 32u << 10;
 // Share of one rank in a chunk of the pipelined path: the chunks of all ranks
@@ -412,23 +415,29 @@ void ShmEngine::wait_all() {
       if (p != me_ && !arrived(p)) return false;
     return true;
   };
-  // Spin briefly: a peer on another core usually arrives within microseconds.
-  for (int i = 0; i < 2000; ++i) {
+  // The phases and their durations: wait_timings.h. Spin first, reading the
+  // clock every 64 polls only.
+  const double start = now_seconds();
+  for (uint32_t i = 1;; ++i) {
     if (all_arrived()) return;
     KD_PAUSE();
+    if (i % 64 == 0 && now_seconds() - start >= kSpinSeconds) break;
   }
-  const double start = now_seconds();
-  double next_check = start + 0.1;
+  double next_check = start + kLivenessSeconds;
   double next_stall = opt_.stall_seconds > 0 ? start + opt_.stall_seconds : 1e300;
+  const double yield_until = start + kYieldSeconds;
+  bool yielding = true;
   auto* seg = reinterpret_cast<SegmentLayout*>(base_);
   try {
-    for (uint64_t iter = 0;; ++iter) {
+    for (;;) {
       if (all_arrived()) return;
-      if (iter < 50) {
+      if (yielding && now_seconds() < yield_until) {
         sched_yield();
       } else {
+        yielding = false;
         // Block until the first missing peer publishes (it wakes sleepers), or
-        // 5 ms pass, so that liveness, abort and time limits are still checked.
+        // kFutexWaitSeconds pass, so that abort, liveness and time limits are
+        // still checked.
         int missing = 0;
         while (missing < n_ && (missing == me_ || arrived(missing))) ++missing;
         if (missing == n_) continue;
@@ -436,7 +445,7 @@ void ShmEngine::wait_all() {
         const uint64_t seen = step.load(std::memory_order_acquire);
         if (seen < target) {
           seg->sleepers.fetch_add(1, std::memory_order_seq_cst);
-          if (step.load(std::memory_order_seq_cst) == seen) futex_wait(step, uint32_t(seen), 5000000);
+          if (step.load(std::memory_order_seq_cst) == seen) futex_wait(step, uint32_t(seen), kFutexWaitNanoseconds);
           seg->sleepers.fetch_sub(1, std::memory_order_seq_cst);
         }
       }
@@ -444,7 +453,7 @@ void ShmEngine::wait_all() {
       if (aborted >= 0 && aborted != me_) raise_aborted(aborted, current_collective());
       const double t = now_seconds();
       if (t < next_check) continue;
-      next_check = t + 0.1;
+      next_check = t + kLivenessSeconds;
       std::vector<int> missing;
       for (int p = 0; p < n_; ++p)
         if (p != me_ && !arrived(p)) missing.push_back(p);

@@ -53,7 +53,7 @@ struct EngineOptions {
 struct EngineHooks {
   // Receives stall warnings. May throw; the collective then aborts.
   std::function<void(const std::string&)> on_stall;
-  // Called about every 100 ms while waiting; throws to abandon the wait
+  // Called every kLivenessSeconds (wait_timings.h) while waiting; throws to abandon the wait
   // (for example when the process got SIGINT).
   std::function<void()> check_interrupt;
 };
