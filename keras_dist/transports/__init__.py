@@ -15,11 +15,20 @@ from keras_dist.transports.base import Transport
 def cpu_transport(config: Config, comm, local_comm, cross_comm) -> Transport:
     """The CPU data plane for a group (``KERAS_DIST_CPU_OPERATIONS``).
 
+    ``shm``: the shm transport when the group runs on one machine, the
+    hierarchical one (shm inside each machine, MPI among them) when it spans
+    several. ``mpi``: the MPI transport. ``auto``: ``shm`` when the native
+    extension imports on every rank and some machine runs more than one rank,
+    else ``mpi``. Collective over ``comm``: every rank makes the same choice.
+
     Args:
         config: the settings.
-        comm: the group's communicator.
+        comm: the group's communicator (its ranks are the transport's).
         local_comm: the ranks on this machine.
         cross_comm: the ranks with this rank's local rank, one per machine.
+
+    Raises:
+        TransportError: ``shm`` was asked for and the native extension is missing.
     """
     if comm.Get_size() == 1:
         from keras_dist.transports.local import LocalTransport
@@ -27,7 +36,9 @@ def cpu_transport(config: Config, comm, local_comm, cross_comm) -> Transport:
         return LocalTransport()
     want = config.cpu_operations
     if want == "auto":
-        want = "shm" if local_comm.Get_size() > 1 and native_available() else "mpi"
+        everyone = comm.allgather((local_comm.Get_size(), native_available()))
+        shared = any(local_size > 1 for local_size, _ in everyone)
+        want = "shm" if shared and all(native for _, native in everyone) else "mpi"
     if want == "mpi":
         from keras_dist.transports.mpi import MpiTransport
 
@@ -37,9 +48,13 @@ def cpu_transport(config: Config, comm, local_comm, cross_comm) -> Transport:
             "KERAS_DIST_CPU_OPERATIONS=shm needs the native extension keras_dist._native, "
             "which failed to import. Reinstall keras_dist, or set KERAS_DIST_CPU_OPERATIONS=mpi."
         )
-    from keras_dist.transports.shm import ShmTransport
+    if local_comm.Get_size() == comm.Get_size():
+        from keras_dist.transports.shm import ShmTransport
 
-    return ShmTransport(local_comm, cross_comm if cross_comm.Get_size() > 1 else None, config)
+        return ShmTransport(comm, config)
+    from keras_dist.transports.hierarchical import HierarchicalTransport
+
+    return HierarchicalTransport(comm, local_comm, cross_comm, config)
 
 
 def native_available() -> bool:

@@ -34,17 +34,28 @@ class MpiTransport(Transport):
         local_comm: the ranks of ``comm`` on this machine (for liveness checks
             and the arrival board that names missing ranks).
         config: the process's ``Config``.
+        rank_names: what messages call each rank of ``comm`` (its rank in a
+            larger group, for a communicator among some of the group's
+            ranks); defaults to its rank in ``comm``.
     """
 
     name = "mpi"
 
-    def __init__(self, comm, local_comm, config) -> None:
+    def __init__(self, comm, local_comm, config, *,
+                 rank_names: Sequence[int] | None = None) -> None:
         super().__init__()
         from mpi4py import MPI
 
         self._mpi = MPI
         self.comm = comm
         self.rank = comm.Get_rank()
+        names = list(range(comm.Get_size())) if rank_names is None else list(rank_names)
+        if len(names) != comm.Get_size():
+            raise ValueError(
+                f"`rank_names` must name each of the {comm.Get_size()} ranks of `comm`. "
+                f"Received: rank_names={names}"
+            )
+        self._names = names
         self._ops = {
             _vocab.SUM: MPI.SUM,
             _vocab.MIN: MPI.MIN,
@@ -58,14 +69,15 @@ class MpiTransport(Transport):
             np.frombuffer(self._board_window.Shared_query(r)[0], np.int64, 1)
             for r in range(local_comm.Get_size())
         ]
-        self._board_ranks = local_comm.allgather(self.rank)
+        self._board_ranks = local_comm.allgather(names[self.rank])
         self._local_rank = local_comm.Get_rank()
         self._board[self._local_rank][0] = 0
         self._spans_machines = local_comm.Get_size() < comm.Get_size()
         self._sequence = 0
         local_comm.Barrier()
+        peers = [(names[rank], host, pid) for rank, host, pid in describe_peers(comm)]
         self._waiter = Waiter(
-            describe_peers(comm), self.rank, config.stall_check_seconds,
+            peers, names[self.rank], config.stall_check_seconds,
             config.timeout_seconds, self.name, self._missing_ranks,
         )
 
@@ -76,21 +88,41 @@ class MpiTransport(Transport):
 
     def _enter(self, kind: str, signature: str) -> None:
         """Counts the collective on the board and checks every rank agrees on it."""
-        self._sequence += 1
-        self._board[self._local_rank][0] = self._sequence
-        digest = int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=7).digest(),
-                                "little")
-        check = np.array([digest, -digest], np.int64)
-        what = f"{kind} (check of call #{self._sequence})"
-        self._waiter.wait(self.comm.Iallreduce(self._mpi.IN_PLACE, check, self._mpi.MAX).Test,
-                          what)
-        if check[0] != digest or -check[1] != digest:
-            signatures = self.comm.allgather(signature)
-            detail = "; ".join(f"rank {r}: {s}" for r, s in enumerate(signatures))
+        signatures = self.agree(kind, signature)
+        if signatures is not None:
+            detail = "; ".join(f"rank {self._names[r]}: {s}" for r, s in enumerate(signatures))
             raise CollectiveMismatchError(
                 f"Ranks called different collectives at call #{self._sequence} "
                 f"(transport mpi). {detail}"
             )
+
+    def agree(self, kind: str, description) -> list | None:
+        """Checks that every rank called this with an equal ``description``.
+
+        Counts as a collective of its own (on the arrival board and in the
+        call numbers), and waits through the ``Waiter``, so the wait for late
+        ranks is bounded. Comparison is by a digest of ``repr(description)``.
+
+        Args:
+            kind: the collective, for messages ("allreduce").
+            description: a value whose ``repr`` every rank must share.
+
+        Returns:
+            None when all agree, else every rank's ``description`` in rank order.
+        """
+        self._sequence += 1
+        self._board[self._local_rank][0] = self._sequence
+        digest = int.from_bytes(
+            hashlib.blake2b(repr(description).encode(), digest_size=7).digest(), "little")
+        check = np.array([digest, -digest], np.int64)
+        what = f"{kind} (check of call #{self._sequence})"
+        self._waiter.wait(self.comm.Iallreduce(self._mpi.IN_PLACE, check, self._mpi.MAX).Test,
+                          what)
+        if check[0] == digest and -check[1] == digest:
+            return None
+        # Every rank has entered this check (its result needed them all), so
+        # every rank makes this call too.
+        return self.comm.allgather(description)
 
     # Once the check has passed, every rank has entered this very collective,
     # so the data moves through MPI's blocking call: MPI drives its own

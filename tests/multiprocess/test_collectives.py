@@ -22,7 +22,7 @@ def test_every_collective_on_every_rank(transport, np_, ranks_per_node):
                      env={**TF_QUIET, "KERAS_DIST_CPU_OPERATIONS": transport,
                           "KERAS_DIST_RANKS_PER_NODE": ranks_per_node})
     result.check()
-    expected = "local" if np_ == 1 else transport
+    expected = "local" if np_ == 1 else "hierarchical" if ranks_per_node else transport
     per_machine = int(ranks_per_node or np_)
     for rank in range(np_):
         # cross_size: how many machines have a rank with this rank's local rank.

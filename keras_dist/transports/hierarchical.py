@@ -1,0 +1,248 @@
+"""The hierarchical transport: shared memory inside each machine, MPI between them.
+
+Each collective runs in three steps: the shm engine among the ranks of each
+machine, the MPI transport among the machines' leaders (local rank 0 of
+each), and the engine again to hand the leaders' result to the others. Every
+wait is bounded: the leaders wait in ``MpiTransport``'s checked path (a
+``Waiter`` with liveness checks, stall warnings and the timeout), the other
+ranks in the engine.
+
+Before any data moves across machines, the leaders compare what each
+machine was called with, so a mismatch between machines raises
+``CollectiveMismatchError`` on every rank of every machine instead of
+mixing data.
+
+Ranks are numbered as in the group's communicator; at construction every
+rank checks that its communicators describe one consistent layout (each
+group rank once, on one machine, at one local rank).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+import numpy as np
+
+from keras_dist import _vocab, errors
+from keras_dist._config import Config
+from keras_dist.transports.base import Transport
+from keras_dist.transports.mpi import MpiTransport
+from keras_dist.transports.shm import ShmTransport
+
+
+class HierarchicalTransport(Transport):
+    """Collectives over several machines: shm inside each, MPI among leaders.
+
+    Args:
+        comm: the group's communicator; its ranks are the transport's.
+        local_comm: the ranks of ``comm`` on this machine.
+        cross_comm: the ranks of ``comm`` with this rank's local rank, one per
+            machine (on local rank 0: every machine's leader).
+        config: the settings (``Config``).
+
+    Raises:
+        TransportError: the communicators disagree about who runs where
+            (raised on every rank), or the shm transport cannot be made.
+    """
+
+    name = "hierarchical"
+
+    def __init__(self, comm, local_comm, cross_comm, config: Config) -> None:
+        super().__init__()
+        from mpi4py import MPI
+
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        local_rank = local_comm.Get_rank()
+        self._is_leader = local_rank == 0
+        node_ranks = local_comm.allgather(self.rank)
+        machines = node = None
+        if self._is_leader:
+            machines, node = cross_comm.allgather(node_ranks), cross_comm.Get_rank()
+        machines, node = local_comm.bcast((machines, node), root=0)
+        everyone = comm.allgather(
+            (MPI.COMM_WORLD.Get_rank(), socket.gethostname(), node, local_rank)
+        )
+        problem = _layout_problem(machines, everyone)
+        if problem:
+            raise errors.TransportError(f"hierarchical transport unavailable: {problem}")
+        #: Group ranks of each machine's local ranks, and (machine, local rank) of each rank.
+        self._members: list[list[int]] = machines
+        self._where = {g: (m, lr) for m, ms in enumerate(machines) for lr, g in enumerate(ms)}
+        self._node = node
+        self._local = ShmTransport(local_comm, config, group_ranks=node_ranks)
+        #: The leaders' transport (MPI, bounded waits), on leaders only.
+        self._leaders: MpiTransport | None = None
+        self._leaders_comm = None
+        if self._is_leader:
+            self._leaders_comm = cross_comm.Dup()
+            same_host = self._leaders_comm.Split_type(MPI.COMM_TYPE_SHARED, key=node)
+            try:
+                self._leaders = MpiTransport(self._leaders_comm, same_host, config,
+                                             rank_names=[ms[0] for ms in machines])
+            finally:
+                same_host.Free()
+        #: The shm transport's single-copy status on this machine.
+        self.single_copy_status = self._local.single_copy_status
+
+    # -- collectives -------------------------------------------------------
+
+    def allreduce(self, buf: np.ndarray, op: int, name: str | None = None,
+                  send: np.ndarray | None = None) -> None:
+        _vocab.dtype_code(buf.dtype)  # an unsupported dtype raises before any wait
+        if self._leaders is not None:
+            self._agree_across_machines(
+                "allreduce",
+                {"dtype": buf.dtype.name, "count": buf.size, "op": _vocab.OP_NAMES.get(op, op),
+                 "name": name},
+            )
+        if _vocab.is_half(buf.dtype):
+            # Both levels reduce in float32 and the result is rounded once, as
+            # on one machine (the wider messages cost twice the bytes).
+            wide = (buf if send is None else send).astype(np.float32)
+            self._reduce(wide, op, name, None)
+            buf[...] = wide.astype(buf.dtype)
+        else:
+            self._reduce(buf, op, name, send)
+
+    def _reduce(self, buf: np.ndarray, op: int, name: str | None,
+                send: np.ndarray | None) -> None:
+        """Reduces inside the machine, then among the leaders, then hands back."""
+        self._local.allreduce(buf, op, name, send)
+        if self._leaders is not None:
+            self._leaders.allreduce(buf, op, name)
+        self._local.broadcast(buf.view(np.uint8), 0)
+
+    def broadcast(self, buf: np.ndarray, root: int, name: str | None = None) -> None:
+        if not 0 <= root < self.size:
+            raise ValueError(
+                f"`root` must be in [0, size). Received: root={root} (size={self.size})"
+            )
+        view = buf.view(np.uint8)
+        root_node, root_local = self._where[root]
+        if self._leaders is not None:
+            self._agree_across_machines(
+                "broadcast", {"bytes": view.nbytes, "root": root, "name": name}
+            )
+        on_root_node = self._node == root_node
+        if on_root_node and root_local != 0:
+            self._local.broadcast(view, root_local, name)
+        if self._leaders is not None:
+            self._leaders.broadcast(view, root_node, name)
+        if not on_root_node or root_local == 0:
+            self._local.broadcast(view, 0, name)
+
+    def allgatherv(
+        self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], name: str | None = None
+    ) -> None:
+        if len(counts) != self.size:
+            raise ValueError(
+                f"`counts` must have one entry per rank. Received: {len(counts)} entries "
+                f"(size={self.size})"
+            )
+        itemsize = send.dtype.itemsize
+        byte_counts = [int(c) * itemsize for c in counts]
+        recv_bytes = recv.view(np.uint8)
+        if self._leaders is not None:
+            self._agree_across_machines(
+                "allgather", {"counts": tuple(byte_counts), "name": name}
+            )
+        node_counts = [byte_counts[g] for g in self._members[self._node]]
+        node_blob = np.empty(sum(node_counts), np.uint8)
+        self._local.allgatherv(send.view(np.uint8), node_blob, node_counts, name)
+        if self._leaders is not None:
+            # Each machine's block holds its ranks in local order; put every
+            # rank's part at its place in group order.
+            totals = [sum(byte_counts[g] for g in ms) for ms in self._members]
+            blobs = np.empty(sum(totals), np.uint8)
+            self._leaders.allgatherv(node_blob, blobs, totals, name)
+            displ = np.concatenate([[0], np.cumsum(byte_counts)[:-1]]).astype(np.int64)
+            at = 0
+            for members in self._members:
+                for g in members:
+                    recv_bytes[displ[g] : displ[g] + byte_counts[g]] = blobs[
+                        at : at + byte_counts[g]
+                    ]
+                    at += byte_counts[g]
+        self._local.broadcast(recv_bytes, 0, name)
+
+    def barrier(self) -> None:
+        if self._leaders is not None:
+            self._agree_across_machines("barrier", {})
+        self._local.barrier()
+        if self._leaders is not None:
+            self._leaders.barrier()
+        self._local.barrier()
+
+    def _agree_across_machines(self, kind: str, fields: dict) -> None:
+        """Leaders only: compares this collective with the other machines' first.
+
+        Ranks inside a machine are compared by the engine; across machines the
+        leaders compare what they were called with (a bounded wait) before any
+        data moves, so a mismatch raises on every rank instead of hanging or
+        mixing data: the leaders raise, and end their machine's engine so that
+        the other ranks there raise the same error.
+        """
+        mine = {"collective": kind, **fields}
+        everyone = self._leaders.agree(kind, mine)
+        if everyone is None:
+            return
+        keys = list(dict.fromkeys(k for other in everyone for k in other))
+        differing = [k for k in keys if any(o.get(k) != mine.get(k) for o in everyone)]
+        shown = differing if "collective" in differing else [k for k in keys if k != "collective"]
+        described = []
+        for machine, other in enumerate(everyone):
+            values = " ".join(
+                str(other[k]) if k == "collective" else
+                f"{k} {other[k]!r}" if k == "name" else f"{k} {other[k]}"
+                for k in shown if k in other
+            )
+            verb = "called" if "collective" in differing else "has"
+            described.append(f"rank {self._members[machine][0]} {verb} {values}".rstrip())
+        title = "collective" if "collective" in differing else kind
+        message = f"{title} mismatch between machines: " + ", ".join(described)
+        self._local.abort_mismatch(message)
+        raise errors.CollectiveMismatchError(message)
+
+    def close(self) -> None:
+        leaders, self._leaders = getattr(self, "_leaders", None), None
+        if leaders is not None:
+            leaders.close()
+        comm, self._leaders_comm = getattr(self, "_leaders_comm", None), None
+        if comm is not None:
+            comm.Free()
+        local = getattr(self, "_local", None)
+        if local is not None:
+            local.close()
+
+
+def _layout_problem(machines: list[list[int]], everyone: list[tuple]) -> str | None:
+    """What is inconsistent in a machines-by-local-rank layout, or None.
+
+    Args:
+        machines: group ranks of each machine's local ranks, as the leaders
+            gathered them (the same list on every rank).
+        everyone: ``(world rank, host, machine, local rank)`` of every group
+            rank, in group rank order (the same list on every rank).
+    """
+    size = len(everyone)
+    listed = sorted(g for members in machines for g in members)
+    if listed != list(range(size)):
+        return (f"the machines must list each of the {size} ranks once. Received: "
+                f"machines {machines}")
+    wrong = []
+    for rank, (world, host, machine, local_rank) in enumerate(everyone):
+        placed = machines[machine][local_rank] if machine < len(machines) and \
+            local_rank < len(machines[machine]) else None
+        if placed != rank:
+            wrong.append(f"rank {rank} (world rank {world}, host {host}) is local rank "
+                         f"{local_rank} of machine {machine}, which lists "
+                         f"{machines[machine] if machine < len(machines) else 'nothing'}")
+    for machine, members in enumerate(machines):
+        hosts = {everyone[g][1] for g in members}
+        if len(hosts) > 1:
+            wrong.append(f"machine {machine} spans hosts {sorted(hosts)} (ranks {members})")
+    worlds = [world for world, _, _, _ in everyone]
+    if len(set(worlds)) != size:
+        wrong.append(f"world ranks {worlds} are not distinct")
+    return "; ".join(wrong) or None
