@@ -40,8 +40,8 @@ def main() -> None:
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     job = world.bcast(f"paths{time.time_ns() % 10**8}", root=0)
     paths = {
-        "copy": ShmTransport(local, None, Config(job_id=job, shm_single_copy="off")),
-        "single": ShmTransport(local, None, Config(job_id=job, shm_single_copy_bytes=1)),
+        "copy": ShmTransport(local, Config(job_id=job, shm_single_copy="off")),
+        "single": ShmTransport(local, Config(job_id=job, shm_single_copy_bytes=1)),
     }
     status = paths["single"].single_copy_status
     if rank == 0:
