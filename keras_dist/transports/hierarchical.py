@@ -232,12 +232,10 @@ def _layout_problem(machines: list[list[int]], everyone: list[tuple]) -> str | N
                 f"machines {machines}")
     wrong = []
     for rank, (world, host, machine, local_rank) in enumerate(everyone):
-        placed = machines[machine][local_rank] if machine < len(machines) and \
-            local_rank < len(machines[machine]) else None
-        if placed != rank:
+        listing = machines[machine] if machine < len(machines) else []
+        if local_rank >= len(listing) or listing[local_rank] != rank:
             wrong.append(f"rank {rank} (world rank {world}, host {host}) is local rank "
-                         f"{local_rank} of machine {machine}, which lists "
-                         f"{machines[machine] if machine < len(machines) else 'nothing'}")
+                         f"{local_rank} of machine {machine}, which lists {listing}")
     for machine, members in enumerate(machines):
         hosts = {everyone[g][1] for g in members}
         if len(hosts) > 1:
