@@ -104,17 +104,23 @@ def install_excepthook(rank: int, size: int) -> None:
 
     def abort_job(exc_type, exc, tb):
         rank, size = _job
-        if size == 1 or issubclass(exc_type, KeyboardInterrupt):
+        if issubclass(exc_type, KeyboardInterrupt):
             _previous_excepthook(exc_type, exc, tb)
             return
+        if size == 1:
+            _previous_excepthook(exc_type, exc, tb)
+            jobstatus.record_error(exc)
+            return
         text = "".join(traceback.format_exception(exc_type, exc, tb))
-        label = f"[keras_dist rank {rank}/{size}] "
+        # Under kdrun every line is labelled with its rank already.
+        label = "" if jobstatus.supervised() else f"[keras_dist rank {rank}/{size}] "
         sys.stderr.write("".join(label + line + "\n" for line in text.rstrip().splitlines()))
         sys.stderr.flush()
-        jobstatus.record_error(rank, text)
-        # Give the process manager a moment to forward the traceback before
-        # the abort tears the job's output channels down.
-        time.sleep(0.2)
+        if not jobstatus.record_error(exc):
+            # No supervisor confirmed it forwarded the traceback: give the
+            # process manager a moment to, before the abort tears the job's
+            # output channels down.
+            time.sleep(0.2)
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)

@@ -1,154 +1,101 @@
-"""The status files through which ranks tell ``kdrun`` how they ended.
+"""What a rank tells its supervisor (``keras_dist.launcher.supervisor``): facts, as they happen.
 
-``kdrun`` gives every rank ``KERAS_DIST_STATUS_DIR``, a private directory
-(mode 0700) that it removes when the job ends. Each rank writes there:
+Under kdrun every rank runs as the child of a supervisor, which hands it one end
+of a private socket, its descriptor in ``KERAS_DIST_SUPERVISOR_FD``. Each fact is
+one JSON line:
 
-- ``rank<r>.start``: JSON ``{"rank", "pid", "host"}``, when ``init()`` succeeds;
-- ``rank<r>.error``: the traceback of an unhandled exception;
-- ``rank<r>.done``: when the rank shuts down cleanly.
+- ``{"event": "started"}`` when ``init()`` succeeds;
+- ``{"event": "finished"}`` when the rank shuts down cleanly;
+- ``{"event": "error", "type", "message", "peer_rank", "mono", "wall"}`` for an
+  unhandled exception: its class, message, the rank whose failure it is a
+  consequence of (``PeerFailureError.peer_rank``, else None), and the
+  CLOCK_MONOTONIC and wall times at which it was reported. The supervisor
+  answers one byte once it has forwarded the record.
 
-After a failed job, ``kdrun`` reads them back (``read_status``) to name the
-rank that raised or died. Writing is best effort and never raises: a status
-file that cannot be written must not hide the user's own error. Every writer
-is a no-op when ``KERAS_DIST_STATUS_DIR`` is unset (no launcher, plain
-``mpiexec``).
+The supervisor adds what the rank cannot know about itself (how it ended) and
+sends it all to kdrun. Writing never raises: a report that cannot be made
+must not hide the user's own error. Every writer is a no-op without a
+supervisor (no launcher, plain ``mpiexec``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import re
+import select
 import socket
+import time
 
-STATUS_DIR_ENV = "KERAS_DIST_STATUS_DIR"
+SUPERVISOR_FD_ENV = "KERAS_DIST_SUPERVISOR_FD"
+#: How long the rank waits for its supervisor to confirm it forwarded an error.
+ACK_TIMEOUT_SECONDS = 5.0
+#: Longest exception message sent (the traceback itself goes to stderr whole).
+_MESSAGE_CHARS = 2000
 
-_FILE_RE = re.compile(r"^rank(\d+)\.(start|error|done)$")
-_LABEL_RE = re.compile(r"^\[[^\]]*rank[^\]]*\]\s*")
-_EXCEPTION_LINE_RE = re.compile(
-    r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning|Fault)(:|$)"
-)
+_channel: socket.socket | None = None
+_channel_fd: str | None = None
 
 
-def _write(rank: int, kind: str, text: str) -> None:
-    directory = os.environ.get(STATUS_DIR_ENV)
-    if not directory:
-        return
-    path = os.path.join(directory, f"rank{int(rank)}.{kind}")
-    partial = f"{path}.{os.getpid()}.partial"
+def _get_channel() -> socket.socket | None:
+    """The socket to the supervisor, opened on first use (None without one)."""
+    global _channel, _channel_fd
+    fd = os.environ.get(SUPERVISOR_FD_ENV, "")
+    if fd != _channel_fd:
+        _channel_fd, _channel = fd, None
+        if fd.isdigit():
+            try:
+                _channel = socket.socket(fileno=int(fd))
+                _channel.set_inheritable(False)
+            except OSError:
+                _channel = None
+    return _channel
+
+
+def _send(record: dict) -> socket.socket | None:
+    channel = _get_channel()
+    if channel is None:
+        return None
     try:
-        with open(partial, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(partial, path)
+        channel.sendall(json.dumps(record).encode() + b"\n")
     except OSError:
-        try:
-            os.unlink(partial)
-        except OSError:
-            pass
+        return None
+    return channel
+
+
+def supervised() -> bool:
+    """True when this process runs under kdrun's supervisor."""
+    return _get_channel() is not None
 
 
 def record_start(rank: int) -> None:
-    """Records that ``rank`` is running, with its pid and host name."""
-    record = {"rank": int(rank), "pid": os.getpid(), "host": socket.gethostname()}
-    _write(rank, "start", json.dumps(record))
-    directory = os.environ.get(STATUS_DIR_ENV)
-    if directory:  # init() again after shutdown(): the rank is running again
-        try:
-            os.unlink(os.path.join(directory, f"rank{int(rank)}.done"))
-        except OSError:
-            pass
-
-
-def record_error(rank: int, text: str) -> None:
-    """Records the (formatted) traceback of an unhandled exception on ``rank``."""
-    _write(rank, "error", text)
+    """Reports that the rank is running (``init()`` done)."""
+    _send({"event": "started", "rank": int(rank)})
 
 
 def record_done(rank: int) -> None:
-    """Records that ``rank`` shut down cleanly."""
-    _write(rank, "done", "")
+    """Reports that the rank shut down cleanly."""
+    _send({"event": "finished", "rank": int(rank)})
 
 
-@dataclasses.dataclass(frozen=True)
-class RankStatus:
-    """What one rank reported through its status files."""
-
-    rank: int
-    pid: int | None = None
-    host: str | None = None
-    started: bool = False
-    done: bool = False
-    error: str | None = None
-
-    @property
-    def error_summary(self) -> str | None:
-        """The last line of the traceback (``"ValueError: ..."``), or None."""
-        if self.error is None:
-            return None
-        lines = [_LABEL_RE.sub("", line).strip() for line in self.error.splitlines()]
-        lines = [line for line in lines if line]
-        if not lines:
-            return "(empty traceback)"
-        # The last "SomeError: message" line: TensorFlow appends node and
-        # op names after the exception line of the failing py_function.
-        for line in reversed(lines):
-            if _EXCEPTION_LINE_RE.match(line):
-                return line
-        return lines[-1]
-
-    @property
-    def is_peer_failure(self) -> bool:
-        """The rank raised PeerFailureError: it saw another rank die or abort."""
-        summary = self.error_summary
-        return summary is not None and "PeerFailureError:" in summary
-
-    def describe(self) -> str:
-        """``"rank 1 (pid 1234 on host)"``, with what is known."""
-        where = []
-        if self.pid is not None:
-            where.append(f"pid {self.pid}")
-        if self.host:
-            where.append(f"on {self.host}")
-        return f"rank {self.rank} ({' '.join(where)})" if where else f"rank {self.rank}"
-
-
-def read_status(directory: str) -> dict[int, RankStatus]:
-    """Reads every rank's status files from ``directory``.
-
-    Args:
-        directory: the job's ``KERAS_DIST_STATUS_DIR``.
+def record_error(exc: BaseException) -> bool:
+    """Reports an unhandled exception; returns once the supervisor has forwarded it.
 
     Returns:
-        ``{rank: RankStatus}`` for every rank that wrote at least one file
-        (an unreadable or half-written file counts as absent).
+        True when the supervisor confirmed it (within ``ACK_TIMEOUT_SECONDS``).
     """
-    found: dict[int, dict] = {}
+    cls = type(exc)
+    name = cls.__qualname__ if cls.__module__ == "builtins" else (
+        f"{cls.__module__}.{cls.__qualname__}")
+    peer = getattr(exc, "peer_rank", None)
+    channel = _send({
+        "event": "error", "type": name, "message": str(exc)[:_MESSAGE_CHARS],
+        "peer_rank": peer if isinstance(peer, int) else None,
+        "mono": time.monotonic(), "wall": time.time(),
+    })
+    if channel is None:
+        return False
     try:
-        names = os.listdir(directory)
+        ready, _, _ = select.select([channel], [], [], ACK_TIMEOUT_SECONDS)
+        return bool(ready) and channel.recv(1) == b"k"
     except OSError:
-        return {}
-    for name in names:
-        match = _FILE_RE.match(name)
-        if not match:
-            continue
-        rank, kind = int(match.group(1)), match.group(2)
-        try:
-            with open(os.path.join(directory, name), encoding="utf-8", errors="replace") as f:
-                text = f.read()
-        except OSError:
-            continue
-        fields = found.setdefault(rank, {"rank": rank})
-        if kind == "start":
-            try:
-                record = json.loads(text)
-                fields["pid"] = int(record["pid"])
-                fields["host"] = str(record["host"])
-            except (ValueError, KeyError, TypeError):
-                pass
-            fields["started"] = True
-        elif kind == "done":
-            fields["done"] = True
-        else:
-            fields["error"] = text
-    return {rank: RankStatus(**fields) for rank, fields in sorted(found.items())}
+        return False

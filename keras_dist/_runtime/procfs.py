@@ -40,15 +40,6 @@ def process_alive(pid: int) -> bool:
     return bool(fields) and fields[0] not in (b"Z", b"X")
 
 
-def parent_pid(pid: int) -> int | None:
-    """The parent of ``pid``, or None when it cannot be read."""
-    fields = _stat_fields(pid)
-    try:
-        return int(fields[1])
-    except (IndexError, ValueError):
-        return None
-
-
 def environ(pid: int) -> dict[bytes, bytes]:
     """The environment ``pid`` started with ({} when it cannot be read)."""
     try:
@@ -92,20 +83,3 @@ def mapped_files(pid: int, prefix: str) -> set[str]:
         pass
     return found
 
-
-def maps_contains(pid: int, text: str) -> bool:
-    """True when a line of ``pid``'s memory map contains ``text`` (e.g. a library)."""
-    try:
-        with open(f"{_PROC}/{pid}/maps", encoding="utf-8", errors="replace") as handle:
-            return any(text in line for line in handle)
-    except OSError:
-        return False
-
-
-def zombie_exit_status(pid: int) -> int | None:
-    """The wait status of ``pid`` while it is a zombie (exited, not reaped), else None."""
-    fields = _stat_fields(pid)
-    try:
-        return int(fields[49]) if fields[0] == b"Z" else None
-    except (IndexError, ValueError):
-        return None

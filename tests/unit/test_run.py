@@ -1,6 +1,8 @@
 """kdrun's pieces that need no MPI job: argument parsing, the mpiexec command
-line, status files, failure messages, /dev/shm clean-up."""
+line, the per-rank supervisor and its frames, labelled output, /dev/shm clean-up.
+(Failure descriptions: tests/unit/test_report.py.)"""
 
+import io
 import mmap
 import os
 import secrets
@@ -9,8 +11,8 @@ import sys
 
 import pytest
 
-from keras_dist._runtime import jobstatus as _jobstatus
-from keras_dist.launcher import cleanup, cli, mpiexec
+from keras_dist._runtime import jobstatus
+from keras_dist.launcher import cleanup, cli, mpiexec, output, supervisor
 from keras_dist.launcher import options as kdrun_options
 
 # --- arguments -----------------------------------------------------------------
@@ -88,7 +90,7 @@ def test_main_help_exits_0(capsys):
 
 # --- the mpiexec command line ----------------------------------------------------
 
-ENV = {"KERAS_DIST_JOB_ID": "abc", "KERAS_DIST_STATUS_DIR": "/tmp/s d"}
+ENV = {"KERAS_DIST_JOB_ID": "abc", "KERAS_DIST_TIMELINE": "/tmp/t l.json"}
 
 
 def test_mpich_command():
@@ -97,7 +99,7 @@ def test_mpich_command():
     args = mpiexec.build_command("/bin/mpiexec", "mpich", options, ENV)
     assert args == [
         "/bin/mpiexec", "-hosts", "a:2,b:2",
-        "-genv", "KERAS_DIST_JOB_ID", "abc", "-genv", "KERAS_DIST_STATUS_DIR", "/tmp/s d",
+        "-genv", "KERAS_DIST_JOB_ID", "abc", "-genv", "KERAS_DIST_TIMELINE", "/tmp/t l.json",
         "-n", "4", "python", "x y.py", "--lr=0.1",
     ]
 
@@ -115,7 +117,7 @@ def test_openmpi_command():
     assert "--oversubscribe" in args
     assert ("--allow-run-as-root" in args) == (os.geteuid() == 0)
     assert args[args.index("-H") + 1] == "a:1,b:1"
-    assert "KERAS_DIST_JOB_ID=abc" in args and "KERAS_DIST_STATUS_DIR=/tmp/s d" in args
+    assert "KERAS_DIST_JOB_ID=abc" in args and "KERAS_DIST_TIMELINE=/tmp/t l.json" in args
     assert args[-4:] == ["-np", "2", "python", "x.py"]
 
 
@@ -178,141 +180,6 @@ def test_launcher_never_imports_mpi4py():
     assert out.stdout.strip() == "False"
 
 
-# --- status files ------------------------------------------------------------------
-
-
-def test_status_writers_are_noops_without_a_directory(monkeypatch, tmp_path):
-    monkeypatch.delenv(_jobstatus.STATUS_DIR_ENV, raising=False)
-    monkeypatch.chdir(tmp_path)
-    _jobstatus.record_start(0)
-    _jobstatus.record_error(0, "x")
-    _jobstatus.record_done(0)
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_status_round_trip(monkeypatch, tmp_path):
-    monkeypatch.setenv(_jobstatus.STATUS_DIR_ENV, str(tmp_path))
-    _jobstatus.record_start(0)
-    _jobstatus.record_start(1)
-    _jobstatus.record_done(0)
-    text = 'Traceback (most recent call last):\n  File "x"\nValueError: bad value\n'
-    _jobstatus.record_error(1, text)
-    statuses = _jobstatus.read_status(str(tmp_path))
-    assert sorted(statuses) == [0, 1]
-    zero, one = statuses[0], statuses[1]
-    assert zero.started and zero.done and zero.error is None
-    assert zero.pid == os.getpid() and zero.host
-    assert one.started and not one.done and one.error == text
-    assert one.error_summary == "ValueError: bad value"
-    assert one.describe() == f"rank 1 (pid {os.getpid()} on {one.host})"
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
-
-
-def test_start_again_clears_done(monkeypatch, tmp_path):
-    monkeypatch.setenv(_jobstatus.STATUS_DIR_ENV, str(tmp_path))
-    _jobstatus.record_start(2)
-    _jobstatus.record_done(2)
-    _jobstatus.record_start(2)
-    assert not _jobstatus.read_status(str(tmp_path))[2].done
-
-
-def test_status_writers_never_raise(monkeypatch, tmp_path):
-    monkeypatch.setenv(_jobstatus.STATUS_DIR_ENV, str(tmp_path / "missing"))
-    _jobstatus.record_start(0)
-    _jobstatus.record_error(0, "x")
-    _jobstatus.record_done(0)
-
-
-def test_read_status_ignores_garbage(tmp_path):
-    (tmp_path / "rank0.start").write_text("{not json")
-    (tmp_path / "rank1.error").write_text("[keras_dist rank 1/2] KeyError: 'k'\n")
-    (tmp_path / "other.txt").write_text("x")
-    statuses = _jobstatus.read_status(str(tmp_path))
-    assert statuses[0].started and statuses[0].pid is None
-    assert statuses[0].describe() == "rank 0"
-    assert statuses[1].error_summary == "KeyError: 'k'"
-    assert _jobstatus.read_status(str(tmp_path / "missing")) == {}
-
-
-# --- failure messages ----------------------------------------------------------------
-
-
-def _status(rank, **fields):
-    fields.setdefault("started", True)
-    return _jobstatus.RankStatus(rank=rank, pid=100 + rank, host="h", **fields)
-
-
-def test_describe_exception():
-    statuses = {0: _status(0), 1: _status(1, error="Traceback\nValueError: v\n")}
-    lines = cli.describe_failure(statuses, 2, [], 1)
-    assert lines == [
-        "kdrun: rank 1 (pid 101 on h) raised an exception: ValueError: v",
-        "kdrun: rank 0 stopped when the job ended.",
-    ]
-
-
-def test_describe_dead_rank_comes_before_the_errors_its_death_caused():
-    statuses = {
-        0: _status(0, error="PeerFailureError: rank 1 died during allreduce\n"),
-        1: _status(1),
-        2: _status(2),
-    }
-    lines = cli.describe_failure(statuses, 3, [1], 9)
-    assert lines == [
-        "kdrun: rank 1 (pid 101 on h) ended without finishing: "
-        "killed by a signal or exited early",
-        "kdrun: rank 0 (pid 100 on h) raised an exception: "
-        "PeerFailureError: rank 1 died during allreduce",
-        "kdrun: rank 2 stopped when the job ended.",
-    ]
-
-
-def test_describe_dead_rank_uses_exit_order():
-    statuses = {r: _status(r) for r in range(3)}
-    lines = cli.describe_failure(statuses, 3, [2, 0, 1], 9)
-    assert lines == [
-        "kdrun: rank 2 (pid 102 on h) ended without finishing: "
-        "killed by a signal or exited early",
-        "kdrun: ranks 0, 1 stopped when the job ended.",
-    ]
-
-
-def test_describe_exit_order_may_hold_ranks_without_status():
-    statuses = {0: _status(0), 1: _status(1)}
-    lines = cli.describe_failure(statuses, 3, [2, 1, 0], 9)
-    assert lines[0].startswith("kdrun: rank 1 (pid 101 on h) ended without finishing")
-    assert lines[-1].startswith("kdrun: rank 2 never reported starting")
-
-
-def test_describe_rank_that_died_before_init():
-    lines = cli.describe_failure({}, 3, [2, 0, 1], 9, {2: 4242, 0: 4240, 1: 4241})
-    assert lines == ["kdrun: rank 2 (pid 4242) ended before keras_dist.init() finished: "
-                     "killed by a signal or exited early"]
-    lines = cli.describe_failure({0: _status(0)}, 3, [2, 0], 9, {2: 4242})
-    assert lines == [
-        "kdrun: rank 2 (pid 4242) ended before keras_dist.init() finished: "
-        "killed by a signal or exited early",
-        "kdrun: rank 0 stopped when the job ended.",
-        "kdrun: rank 1 never reported starting (failed or stopped before keras_dist.init()).",
-    ]
-
-
-def test_describe_dead_rank_without_exit_order_names_every_suspect():
-    statuses = {0: _status(0, done=True), 1: _status(1), 2: _status(2)}
-    lines = cli.describe_failure(statuses, 3, [], 9)
-    assert [line.split(" (")[0] for line in lines] == ["kdrun: rank 1", "kdrun: rank 2"]
-
-
-def test_describe_ranks_that_never_started():
-    lines = cli.describe_failure({0: _status(0, error="E: e")}, 3, [], 1)
-    assert lines[-1].startswith("kdrun: ranks 1, 2 never reported starting")
-    lines = cli.describe_failure({}, 2, [], 1)
-    assert lines == [
-        "kdrun: the job failed (mpiexec exit code 1) and no rank reported its status: "
-        "the command may have failed before keras_dist.init()."
-    ]
-
-
 # --- /dev/shm clean-up ------------------------------------------------------------------
 
 
@@ -368,84 +235,263 @@ def test_find_job_processes_sees_a_child_by_its_environment():
             child.kill()
 
 
-def test_error_summary_finds_the_exception_line_in_a_tensorflow_traceback():
-    text = (
-        "Traceback (most recent call last):\n"
-        '  File "train.py", line 3, in <module>\n'
-        "tensorflow.python.framework.errors_impl.UnknownError: {{function_node x}} "
-        "TypeError: bad buffer\n"
-        "Traceback (most recent call last):\n\n"
-        "TypeError: `buf` must have dtype uint8\n\n\n"
-        "\t [[{{node keras_dist_allreduce}}]] [Op:__inference_multi_step_on_iterator_318]\n"
-    )
-    status = _jobstatus.RankStatus(rank=0, error=text)
-    assert status.error_summary == "TypeError: `buf` must have dtype uint8"
-    assert _jobstatus.RankStatus(rank=0, error="odd\n").error_summary == "odd"
-    assert _jobstatus.RankStatus(rank=0, error="\n").error_summary == "(empty traceback)"
+# --- output options ------------------------------------------------------------------
 
 
-def test_exit_rank_puts_reaped_then_killed_then_exited_processes():
-    exited = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
-    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    killed.kill()
-    for child in (exited, killed):
-        while True:  # a zombie until waited for
-            with open(f"/proc/{child.pid}/stat") as handle:
-                if handle.read().rpartition(")")[2].split()[0] == "Z":
-                    break
-    try:
-        assert cli._exit_rank(killed.pid) == 1
-        assert cli._exit_rank(exited.pid) == 2
-    finally:
-        exited.wait()
-        killed.wait()
-    assert cli._exit_rank(killed.pid) == 0  # reaped: its parent saw it end first
+def test_parse_label_and_ranks_options():
+    options = kdrun_options.parse_args(["-np", "3", "python"])
+    assert options.label and options.ranks is None
+    options = kdrun_options.parse_args(["-np", "3", "--no-label", "--ranks", "0,2", "python"])
+    assert not options.label and options.ranks == (0, 2)
+    assert kdrun_options.parse_args(["-np", "3", "--ranks=1", "x"]).ranks == (1,)
+    assert "--ranks" in kdrun_options.USAGE and "--no-label" in kdrun_options.USAGE
 
 
-def test_exit_order_continues_past_a_peer_failure_but_not_past_other_errors(
-        tmp_path, monkeypatch):
-    monkeypatch.setenv(_jobstatus.STATUS_DIR_ENV, str(tmp_path))
+@pytest.mark.parametrize("value", ["3", "0,x", "", "0,,1", "-1"])
+def test_parse_ranks_errors(value):
+    with pytest.raises(kdrun_options.UsageError,
+                       match=rf"`--ranks` must be .* in \[0, 3\)\. Received: --ranks '{value}'"):
+        kdrun_options.parse_args(["-np", "3", f"--ranks={value}", "python"])
+
+
+# --- the supervisor ------------------------------------------------------------------
+
+
+def test_supervisor_file_imports_only_the_standard_library():
+    code = ("import importlib.util, sys; "
+            f"spec = importlib.util.spec_from_file_location('s', {supervisor.__file__!r}); "
+            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+            "print(sorted(n for n in sys.modules if n.split('.')[0] in "
+            "('keras_dist', 'mpi4py', 'numpy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
+
+
+def test_supervised_command_runs_the_supervisor_by_path():
+    assert cli.supervised_command(("python", "a b.py")) == (
+        sys.executable, supervisor.__file__, "--", "python", "a b.py")
+    assert supervisor.SUPERVISOR_FD_ENV == jobstatus.SUPERVISOR_FD_ENV
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [({"PMI_RANK": "3", "PMI_SIZE": "4"}, (3, 4)), ({"PMIX_RANK": "1"}, (1, None)),
+     ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "5"}, (2, 5)),
+     ({"SLURM_PROCID": "7", "SLURM_NTASKS": "8"}, (7, 8))],
+)
+def test_supervisor_rank_from_the_process_manager(environ, expected):
+    assert supervisor.rank_and_size(environ) == expected
+
+
+def test_supervisor_without_a_rank_is_an_error():
+    with pytest.raises(ValueError, match="PMI_RANK, PMIX_RANK.*Received none of them"):
+        supervisor.rank_and_size({"PMI_RANK": "x"})
+
+
+def test_line_splitter_cuts_lines_carriage_returns_and_long_lines():
+    splitter = supervisor.LineSplitter(12, "o")
+    assert splitter.feed(b"ab") == []
+    assert splitter.feed(b"c\nd\re\n") == [supervisor.frame(12, "on", b"abc"),
+                                          supervisor.frame(12, "or", b"d"),
+                                          supervisor.frame(12, "on", b"e")]
+    long_line = bytes(range(32, 127)) * 100  # 9500 bytes
+    frames = splitter.feed(long_line + b"\ntail")
+    assert all(len(data) <= supervisor.FRAME_BYTES for data in frames)
+    assert [data.split(b" ")[2] for data in frames] == [b"o+", b"o+", b"on"]
+    assert b"".join(data[len(supervisor.frame(12, "o+", b"")) - 1:-1] for data in frames) == (
+        long_line)
+    assert splitter.close() == [supervisor.frame(12, "o.", b"tail")]
+    assert splitter.close() == []
+
+
+def test_record_frame_shortens_a_long_message_to_fit():
+    record = {"event": "error", "error": {"type": "E", "message": "é" * 5000}}
+    data = supervisor.record_frame(0, record)
+    assert len(data) <= supervisor.FRAME_BYTES and data.endswith(b"\n")
+    assert b"[...]" in data
+
+
+CHILD = r"""
+import os, signal, sys
+from keras_dist._runtime import jobstatus
+from keras_dist.errors import PeerFailureError
+mode = sys.argv[1]
+os.fstat(int(os.environ["PMI_FD"]))  # the process manager's descriptor reached the command
+print("out line", flush=True)
+jobstatus.record_start(0)
+if mode == "error":
+    sys.stderr.write("traceback text\n"); sys.stderr.flush()
+    print("ACK", jobstatus.record_error(PeerFailureError("rank 2 died", peer_rank=2)), flush=True)
+    os._exit(1)
+if mode == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode == "finish":
+    jobstatus.record_done(0)
+if mode == "wait":
+    print("READY", flush=True)
+    signal.pause()
+"""
+
+
+def _run_supervisor(mode, signal_when_ready=None):
+    """Runs the supervisor on CHILD under a fake process manager; returns (status, frames)."""
+    read_end, write_end = os.pipe()
+    env = dict(os.environ, PMI_RANK="5", PMI_SIZE="8", PMI_FD=str(write_end),
+               PYTHONPATH=os.pathsep.join([str(cli.__file__).rsplit("/keras_dist/", 1)[0],
+                                           os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, supervisor.__file__, "--", sys.executable, "-c", CHILD, mode],
+        stdout=subprocess.PIPE, env=env, pass_fds=(write_end,))
+    os.close(write_end)
+    os.close(read_end)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if signal_when_ready and b"READY" in line:
+            proc.send_signal(signal_when_ready)
+    status = proc.wait(timeout=60)
+    assert all(line.startswith(supervisor.MAGIC) for line in lines), lines
+    return status, [line[len(supervisor.MAGIC):].rstrip(b"\n").split(b" ", 2) for line in lines]
+
+
+def _records(frames):
+    import json
+    return [json.loads(payload) for rank, kind, payload in frames if kind == b"R"]
+
+
+def test_supervisor_reports_a_clean_run():
+    status, frames = _run_supervisor("finish")
+    assert status == 0
+    assert [b"5", b"on", b"out line"] in frames
+    started, end = _records(frames)
+    assert started["event"] == "started" and started["rank"] == 5
+    assert end["event"] == "exit" and end["started"] and end["finished"]
+    assert end["returncode"] == 0 and end["signal"] is None and end["error"] is None
+    assert end["pid"] == started["pid"] and end["host"] and end["mono"] > started["mono"]
+
+
+def test_supervisor_forwards_an_error_at_once_and_acknowledges_it():
+    status, frames = _run_supervisor("error")
+    assert status == 1
+    kinds = [(kind, payload) for _, kind, payload in frames]
+    error_at = next(i for i, (kind, p) in enumerate(kinds) if kind == b"R" and b'"error"' in p
+                    and b'"event":"error"' in p)
+    # The traceback the child wrote first goes out before the record.
+    assert kinds.index((b"en", b"traceback text")) < error_at
+    assert (b"on", b"ACK True") in kinds
+    error = _records(frames)[1]["error"]
+    assert error["type"] == "keras_dist.errors.PeerFailureError"
+    assert error["message"] == "rank 2 died" and error["peer_rank"] == 2
+    end = _records(frames)[-1]
+    assert end["event"] == "exit" and end["returncode"] == 1 and end["error"] == error
+
+
+def test_supervisor_reports_a_signal_and_fails():
+    status, frames = _run_supervisor("kill")
+    assert status == 128 + 9
+    end = _records(frames)[-1]
+    assert end["signal"] == "SIGKILL" and end["returncode"] is None and end["started"]
+    assert end["stopped_by"] is None
+
+
+def test_supervisor_fails_a_child_that_exits_0_without_finishing():
+    status, frames = _run_supervisor("unfinished")
+    assert status == 1
+    end = _records(frames)[-1]
+    assert end["returncode"] == 0 and end["started"] and not end["finished"]
+
+
+def test_supervisor_forwards_sigterm_to_the_child():
+    status, frames = _run_supervisor("wait", signal_when_ready=15)
+    end = _records(frames)[-1]
+    assert status == 128 + 15
+    assert end["signal"] == "SIGTERM" and end["stopped_by"] == "SIGTERM"
+
+
+def test_supervisor_reports_a_command_that_cannot_start(tmp_path):
+    env = dict(os.environ, PMI_RANK="0")
+    done = subprocess.run([sys.executable, supervisor.__file__, "--", str(tmp_path / "nope")],
+                          capture_output=True, env=env, timeout=60)
+    assert done.returncode == 127
+    (record,) = _records([line[len(supervisor.MAGIC):].split(b" ", 2)
+                          for line in done.stdout.splitlines()])
+    assert "cannot run" in record["spawn_error"] and "No such file" in record["spawn_error"]
+
+
+def test_jobstatus_writers_are_noops_without_a_supervisor(monkeypatch):
+    monkeypatch.delenv(jobstatus.SUPERVISOR_FD_ENV, raising=False)
+    assert not jobstatus.supervised()
+    jobstatus.record_start(0)
+    jobstatus.record_done(0)
+    assert jobstatus.record_error(ValueError("x")) is False
+
+
+# --- labelled output -----------------------------------------------------------------
+
+
+class _Sink(io.BytesIO):
+    pass
+
+
+def _router(**options):
+    records = []
+    out, err = _Sink(), _Sink()
+    return output.OutputRouter(out, err, records.append, **options), out, err, records
+
+
+def _frames(rank, stream, text):
+    splitter = supervisor.LineSplitter(rank, stream)
+    return b"".join(splitter.feed(text) + splitter.close())
+
+
+def test_router_prints_whole_labelled_lines_from_interleaved_frames():
+    router, out, err, _ = _router()
+    one = _frames(1, "o", b"A" * 9000 + b"\n")
+    two = _frames(2, "o", b"B" * 9000 + b"\n")
+    pieces_one, pieces_two = one.splitlines(True), two.splitlines(True)
+    for a, b in zip(pieces_one, pieces_two):  # pieces of two ranks' lines alternate
+        router.feed("o", a + b)
+    router.feed("o", b"hydra says hi\n")
+    router.close()
+    assert out.getvalue().splitlines() == [
+        b"[1] " + b"A" * 9000, b"[2] " + b"B" * 9000, b"hydra says hi"]
+    assert err.getvalue() == b""
+
+
+def test_router_stream_split_anywhere_gives_the_same_result():
+    data = (_frames(0, "o", b"x\ny\n") + b"plain\n" + _frames(1, "e", b"z\n")
+            + supervisor.record_frame(1, {"event": "started"}))
+    for cut in range(len(data)):
+        router, out, err, records = _router()
+        router.feed("o", data[:cut])
+        router.feed("o", data[cut:])
+        router.close()
+        assert out.getvalue() == b"[0] x\n[0] y\nplain\n", cut
+        assert err.getvalue() == b"[1] z\n", cut
+        assert records == [{"event": "started"}], cut
+
+
+def test_router_carriage_return_progress_keeps_its_label():
+    router, out, _, _ = _router()
+    router.feed("o", _frames(3, "o", b"\r 1/3\r 2/3\r 3/3\r\ndone\n"))
+    router.close()
+    assert out.getvalue() == b"[3] \r[3]  1/3\r[3]  2/3\r[3]  3/3\r\n[3] done\n"
+
+
+def test_router_without_labels_and_for_chosen_ranks():
+    router, out, _, _ = _router(label=False, ranks=[0, 2])
     for rank in range(3):
-        _jobstatus.record_start(rank)
-    watcher = cli._RankWatcher(str(tmp_path), "job", 3, all_local=True)
-    # Rank 0 saw rank 1 die and reported it before rank 1's exit was seen.
-    _jobstatus.record_error(0, "Traceback\nkeras_dist.errors.PeerFailureError: rank 1 died\n")
-    watcher._record_exit(1, 101)
-    assert watcher.exit_order == [1]
-    # After any other error, exits are consequences: the order stops.
-    _jobstatus.record_error(2, "Traceback\nValueError: v\n")
-    watcher._record_exit(0, 100)
-    assert watcher.exit_order == [1]
-    lines = cli.describe_failure(watcher.statuses, 3, watcher.exit_order, 9)
-    assert lines[0].startswith("kdrun: rank 1 (pid ") and "ended without finishing" in lines[0]
+        router.feed("o", _frames(rank, "o", b"r%d\rbar\n" % rank))
+    router.close()
+    assert out.getvalue() == b"r0\rbar\nr2\rbar\n"
 
 
-def test_describe_names_every_rank_whose_exits_could_not_be_ordered():
-    statuses = {r: _status(r) for r in range(3)}
-    lines = cli.describe_failure(statuses, 3, [0, 1, 2], 9, first_tied=[0, 1])
-    assert lines == [
-        "kdrun: rank 0 (pid 100 on h) or rank 1 (pid 101 on h) ended without finishing: "
-        "killed by a signal or exited early (their exits reached kdrun at once, so which "
-        "came first is unknown)",
-        "kdrun: rank 2 stopped when the job ended.",
-    ]
-    # A tie behind a clear first exit changes nothing.
-    lines = cli.describe_failure(statuses, 3, [2, 0, 1], 9, first_tied=[])
-    assert lines[0].startswith("kdrun: rank 2 (pid 102 on h) ended without finishing")
-
-
-@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open (Linux 5.3+)")
-def test_watcher_records_exits_it_cannot_order(tmp_path):
-    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-                for _ in range(2)]
-    watcher = cli._RankWatcher(str(tmp_path), "job", 2, all_local=True)
-    for rank, child in enumerate(children):
-        watcher._watch(rank, child.pid)
-    for child in children:  # both end and are reaped before the watcher looks
-        child.kill()
-        child.wait()
-    watcher._next_scan = float("inf")
-    watcher.poll(1.0)
-    watcher.close()
-    assert sorted(watcher.exit_order) == [0, 1]
-    assert sorted(watcher.first_tied) == [0, 1]
+def test_router_writes_unlabelled_files_per_rank(tmp_path):
+    router, out, err, _ = _router(output_dir=str(tmp_path))
+    router.feed("o", _frames(0, "o", b"a\r b\n") + _frames(1, "e", b"e1\nend"))
+    router.close()
+    assert out.getvalue() == b"" and err.getvalue() == b""
+    assert (tmp_path / "rank0.stdout").read_bytes() == b"a\r b\n"
+    assert (tmp_path / "rank1.stderr").read_bytes() == b"e1\nend"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.stdout", "rank1.stderr"]
