@@ -17,8 +17,8 @@ in a process group of its own. The repository root is put first on
 ``PYTHONPATH`` (so the tree is tested, installed or not) and
 ``PYTHONUNBUFFERED=1`` is set (so output printed before a crash or a kill is
 not lost). Each rank's stdout/stderr is written to its own file, so a result
-holds every rank's output separately, and ``result.describe()`` formats all of
-it for an assertion message.
+holds every rank's output separately, byte for byte (a ``\\r`` stays one), and
+``result.describe()`` formats all of it for an assertion message.
 
 On timeout, kdrun first gets SIGTERM (its own clean shutdown), then, 5 s
 later, its process group and every process carrying the job's tag
@@ -58,7 +58,8 @@ class JobResult:
         returncode: kdrun's exit status (-9 when the helper had to kill it).
         stdout: every rank's stdout in rank order, then kdrun's/mpiexec's own stdout.
         stderr: kdrun's/mpiexec's own stderr, then every rank's stderr in rank order.
-        launcher_stdout: what kdrun and mpiexec themselves printed to stdout.
+        launcher_stdout: what kdrun and mpiexec themselves printed to stdout
+            (and the ranks' labelled lines without ``per_rank_output``).
         launcher_stderr: what kdrun and mpiexec themselves printed to stderr
             (kdrun's "kdrun: rank 1 ... raised ..." lines are here).
         rank_stdout: ``{rank: text}`` for every rank that wrote a stdout file.
@@ -153,17 +154,11 @@ def _read_outputs(directory: str) -> tuple[dict[int, str], dict[int, str]]:
     stdout: dict[int, str] = {}
     stderr: dict[int, str] = {}
     for path in Path(directory).iterdir():
-        # MPICH layout: rank<r>.stdout / rank<r>.stderr
+        # kdrun's layout (MPICH's too): rank<r>.stdout / rank<r>.stderr
         name, _, kind = path.name.partition(".")
         if name.startswith("rank") and name[4:].isdigit() and kind in ("stdout", "stderr"):
             target = stdout if kind == "stdout" else stderr
-            target[int(name[4:])] = path.read_text(errors="replace")
-    # Open MPI layout: <dir>/1/rank.<r>/stdout
-    for path in Path(directory).glob("*/rank.*/std*"):
-        rank = path.parent.name.split(".", 1)[1]
-        if rank.isdigit() and path.name in ("stdout", "stderr"):
-            target = stdout if path.name == "stdout" else stderr
-            target[int(rank)] = path.read_text(errors="replace")
+            target[int(name[4:])] = path.read_bytes().decode(errors="replace")
     return stdout, stderr
 
 
@@ -221,8 +216,8 @@ class RunningJob:
             return JobResult(
                 args=self.args,
                 returncode=returncode,
-                launcher_stdout=Path(self._out_path).read_text(errors="replace"),
-                launcher_stderr=Path(self._err_path).read_text(errors="replace"),
+                launcher_stdout=Path(self._out_path).read_bytes().decode(errors="replace"),
+                launcher_stderr=Path(self._err_path).read_bytes().decode(errors="replace"),
                 rank_stdout=rank_stdout,
                 rank_stderr=rank_stderr,
                 timed_out=timed_out,
@@ -301,8 +296,8 @@ def run_job(
         kdrun_args: extra kdrun options (``["-H", "localhost:2"]``, ...).
         cwd: working directory (default: the repository root).
         per_rank_output: give kdrun ``--output-dir`` so each rank's output is
-            kept apart. With False the ranks' output goes through mpiexec and
-            ends up in ``launcher_stdout`` / ``launcher_stderr``.
+            kept apart. With False the ranks' output is in ``launcher_stdout`` /
+            ``launcher_stderr``, as kdrun prints it (``[rank] line``).
 
     Returns:
         A ``JobResult``; check it with ``result.check()`` or assert on

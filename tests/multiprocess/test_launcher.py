@@ -36,16 +36,13 @@ def test_ranks_get_exact_arguments_and_job_environment(np_):
     reports = _reports(result, np_)
     assert [reports[r]["rank"] for r in range(np_)] == list(range(np_)), result.describe()
     job_ids = {report["job_id"] for report in reports.values()}
-    status_dirs = {report["status_dir"] for report in reports.values()}
     assert len(job_ids) == 1 and re.fullmatch(r"[0-9a-f]{16}", job_ids.pop())
-    assert len(status_dirs) == 1
-    status_dir = status_dirs.pop()
     for report in reports.values():
         assert report["argv"] == TRICKY_ARGS
         assert report["size"] == np_
-        assert report["status_dir_mode"] == 0o700
+        assert report["supervisor_channel_is_a_socket"] is True
+        assert report["status_dir"] is None
         assert report["timeline"] is None
-    assert not os.path.exists(status_dir), "kdrun must remove the status directory"
     assert result.launcher_stderr == "", result.describe()
 
 
@@ -67,14 +64,14 @@ def test_command_that_does_not_exist_fails():
     assert not result.timed_out and result.leftovers == [], result.describe()
 
 
-def test_plain_mpi_program_output_passes_through_mpiexec():
+def test_plain_mpi_program_output_is_labelled():
     code = ("from mpi4py import MPI; c = MPI.COMM_WORLD; "
             "assert c.allreduce(c.rank) == c.size * (c.size - 1) // 2; "
             "import sys; sys.stdout.write(f'ok {c.rank}\\n')")  # one write: lines can't interleave
     result = run_job([sys.executable, "-c", code], np=2, timeout=60,
                      per_rank_output=False).check()
-    assert "ok 0" in result.launcher_stdout, result.describe()
-    assert "ok 1" in result.launcher_stdout, result.describe()
+    assert "[0] ok 0\n" in result.launcher_stdout, result.describe()
+    assert "[1] ok 1\n" in result.launcher_stdout, result.describe()
 
 
 OPENMPI = os.environ.get("KERAS_DIST_TEST_OPENMPI_MPIEXEC")
@@ -99,3 +96,70 @@ def test_open_mpi_mpiexec():
                      kdrun_args=["--mpiexec", OPENMPI])
     assert failed.returncode != 0, failed.describe()
     assert "kdrun: rank 1 (pid" in failed.launcher_stderr, failed.describe()
+
+
+# --- output: whole lines, labels, chosen ranks, progress bars -------------------------
+
+LONG_LINES = r"""
+import os, sys
+rank = int(os.environ["PMI_RANK"])
+for index in range(40):
+    # One line of 20000 bytes in one write, from both ranks at once.
+    sys.stdout.write(f"<{rank}:{index}:" + chr(97 + rank) * 20000 + ">\n")
+    sys.stdout.flush()
+"""
+
+
+def test_long_lines_from_two_ranks_at_once_stay_whole_and_labelled():
+    result = run_job([sys.executable, "-c", LONG_LINES], np=2, timeout=60,
+                     per_rank_output=False).check()
+    lines = result.launcher_stdout.splitlines()
+    message = result.describe()[:3000]
+    assert len(lines) == 80, message
+    for rank in range(2):
+        own = [line for line in lines if line.startswith(f"[{rank}] ")]
+        assert own == [f"[{rank}] <{rank}:{index}:" + "ab"[rank] * 20000 + ">"
+                       for index in range(40)], message
+
+
+PRINTS = ("import os, sys; r = os.environ['PMI_RANK']; print('hello from', r); "
+          "sys.stderr.write(f'warning {r}\\n')")
+
+
+def test_no_label_prints_the_lines_as_written():
+    result = run_job([sys.executable, "-c", PRINTS], np=2, timeout=60,
+                     kdrun_args=["--no-label"], per_rank_output=False).check()
+    assert sorted(result.launcher_stdout.splitlines()) == ["hello from 0", "hello from 1"], (
+        result.describe())
+    assert sorted(result.launcher_stderr.splitlines()) == ["warning 0", "warning 1"], (
+        result.describe())
+
+
+def test_ranks_option_shows_only_those_ranks():
+    result = run_job([sys.executable, "-c", PRINTS], np=3, timeout=60,
+                     kdrun_args=["--ranks", "0,2"], per_rank_output=False).check()
+    assert sorted(result.launcher_stdout.splitlines()) == ["[0] hello from 0",
+                                                           "[2] hello from 2"], result.describe()
+    assert sorted(result.launcher_stderr.splitlines()) == ["[0] warning 0", "[2] warning 2"], (
+        result.describe())
+
+
+PROGRESS = ("import os, sys, time\n"
+            "for step in range(1, 4):\n"
+            "    sys.stdout.write(f'\\rstep {step}/3'); sys.stdout.flush(); time.sleep(0.05)\n"
+            "sys.stdout.write('\\n')\n")
+
+
+def test_carriage_return_progress_line_keeps_its_label():
+    result = run_job([sys.executable, "-c", PROGRESS], np=1, timeout=60,
+                     per_rank_output=False).check()
+    assert result.launcher_stdout == "[0] \r[0] step 1/3\r[0] step 2/3\r[0] step 3/3\n", (
+        result.describe())
+
+
+def test_output_dir_holds_each_rank_unlabelled():
+    result = run_job([sys.executable, "-c", PROGRESS], np=2, timeout=60).check()
+    for rank in range(2):
+        assert result.rank_stdout[rank] == "\rstep 1/3\rstep 2/3\rstep 3/3\n", (
+            result.describe())
+    assert result.launcher_stdout == "", result.describe()
