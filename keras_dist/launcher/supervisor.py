@@ -30,9 +30,10 @@ a record as one JSON object.
 
 The child channel is one end of a Unix socket pair, its fd in
 ``KERAS_DIST_SUPERVISOR_FD``: JSON lines from the child; after an ``error``
-record the supervisor has forwarded the child's pending output and the record,
-it answers one byte, so the child's MPI abort (after which the process manager
-may SIGKILL this supervisor) cannot overtake them.
+record, once the child's pending output and the record have been read by the
+process manager, the supervisor answers one byte, so the child's MPI abort
+(after which the process manager may SIGKILL this supervisor and stop reading)
+cannot overtake them. The exit record is likewise read before this process exits.
 
 This file uses the standard library only, and kdrun runs it by path: importing
 the ``keras_dist`` package would cost every rank a second of start-up.
@@ -40,14 +41,18 @@ the ``keras_dist`` package would cost every rank a second of start-up.
 
 from __future__ import annotations
 
+import array
+import fcntl
 import functools
 import json
 import os
 import selectors
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import termios
 import time
 
 SUPERVISOR_FD_ENV = "KERAS_DIST_SUPERVISOR_FD"
@@ -57,6 +62,9 @@ FRAME_BYTES = 4000
 #: How long, after the child exited, output from processes it left holding its
 #: stdout/stderr is still forwarded.
 DRAIN_SECONDS = 1.0
+#: Longest wait for the process manager to read what was sent before the child
+#: may abort the job, or this process exit (a stopped reader must not hang a rank).
+DELIVERY_SECONDS = 2.0
 #: Environment variables naming a rank (hydra, PMIx, Open MPI, Slurm) and the job size.
 RANK_ENV = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
@@ -192,6 +200,28 @@ class Supervisor:
     def _send_record(self, record: dict) -> None:
         self._send([record_frame(self.rank, dict(record, rank=self.rank, host=self.host))])
 
+    def _wait_delivered(self) -> None:
+        """Returns once the process manager has read everything sent (at most
+        ``DELIVERY_SECONDS``).
+
+        Written is not delivered: hydra's proxy stops reading the moment it is
+        told to kill the job (after an MPI abort, or this process's exit), and
+        what is still in the pipe then is lost. The proxy passes on what it
+        read at once, so an empty pipe means the records are on their way.
+        """
+        if not self._output_ok or not stat.S_ISFIFO(os.fstat(self.out_fd).st_mode):
+            return
+        deadline = time.monotonic() + DELIVERY_SECONDS
+        unread = array.array("i", [0])
+        while time.monotonic() < deadline:
+            try:
+                fcntl.ioctl(self.out_fd, termios.FIONREAD, unread)
+            except OSError:
+                return
+            if unread[0] == 0:
+                return
+            time.sleep(0.001)
+
     # --- running ---------------------------------------------------------------
 
     def run(self) -> int:
@@ -245,6 +275,7 @@ class Supervisor:
             "mono": mono, "wall": wall, "error": self.error, "stopped_by": self.stopped_by,
             "spawn_error": None,
         })
+        self._wait_delivered()
         if signum:
             return 128 + signum
         if returncode == 0 and self.started and not self.finished:
@@ -364,6 +395,7 @@ class Supervisor:
             self.error["wall"] = record.get("wall", time.time())
             self._drain_output(splitters)
             self._send_record({"event": "error", "pid": self._proc.pid, "error": self.error})
+            self._wait_delivered()
             if channel is not None:
                 try:
                     channel.sendall(b"k")
