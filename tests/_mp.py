@@ -182,6 +182,11 @@ class RunningJob:
             )
 
     @property
+    def output_dir(self) -> str:
+        """Where kdrun writes each rank's output while the job runs (``--output-dir``)."""
+        return self._output_dir
+
+    @property
     def pid(self) -> int:
         """kdrun's pid (send it signals with ``send_signal``)."""
         return self.proc.pid

@@ -18,10 +18,12 @@ fails names the rank that failed first, from those records alone
 given. Whatever happened, kdrun leaves no process of the job running and
 removes the shared-memory files the job left in ``/dev/shm``.
 
-Failures kdrun handles beyond what mpiexec does: a rank that fails before MPI
-start-up while its peers wait for it there (hydra waits forever: kdrun stops
-the job ``INIT_GRACE_SECONDS`` later), and kdrun's own death (mpiexec is
-SIGKILLed with it). SIGINT/SIGTERM/SIGHUP are forwarded to mpiexec; ranks
+Failures kdrun handles beyond what mpiexec does: a rank that failed while
+mpiexec keeps the job running (hydra stops only that rank's host: kdrun stops
+the job ``STOP_GRACE_SECONDS`` later), a rank that fails before MPI start-up
+while its peers wait for it there (hydra waits forever: kdrun stops the job
+``INIT_GRACE_SECONDS`` later), and kdrun's own death (mpiexec is SIGKILLed
+with it). SIGINT/SIGTERM/SIGHUP are forwarded to mpiexec; ranks
 still running ``STOP_GRACE_SECONDS`` later, or at a second signal, are
 SIGKILLed. Exit status: mpiexec's, 128 + the signal when kdrun was signalled,
 1 when kdrun found a failure mpiexec did not report.
@@ -128,16 +130,13 @@ def launch(options: LaunchOptions) -> int:
         except OSError as error:
             _say(f"kdrun: cannot start {mpiexec}: {error}")
             return 127
-        returncode, stuck = _supervise(proc, router, reports, received, job_id,
-                                       options.num_proc)
+        returncode, stopped = _supervise(proc, router, reports, received, job_id,
+                                         options.num_proc)
         router.close()
         if received:
             return 128 + received[0]
-        if stuck:
-            gone, waiting = stuck
-            _say(f"kdrun: {_ranks(gone)} exited before keras_dist.init() while "
-                 f"{_ranks(waiting)} waited for {'them' if len(gone) > 1 else 'it'} "
-                 "to start MPI; stopped the job.")
+        if stopped:
+            _say(stopped)
             for line in report.describe_failure(reports, options.num_proc, returncode):
                 _say(line)
             return 1
@@ -196,13 +195,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _supervise(proc: subprocess.Popen, router: OutputRouter,
                reports: dict[int, report.RankReport], received: list[int], job_id: str,
-               num_proc: int) -> tuple[int, tuple[list[int], list[int]] | None]:
+               num_proc: int) -> tuple[int, str | None]:
     """Relays mpiexec's output and forwards signals until the job has ended.
 
+    kdrun stops the job itself when the records show a rank failed and
+    mpiexec has not ended the job ``STOP_GRACE_SECONDS`` later (hydra stops
+    only the failed rank's host), or when ranks wait in MPI start-up for a
+    peer that failed before init (``INIT_GRACE_SECONDS``).
+
     Returns:
-        kdrun's exit code for the job so far, and, when kdrun stopped the job
-        because ranks waited in MPI start-up for peers that failed before init,
-        ``(failed ranks, waiting ranks)``.
+        kdrun's exit code for the job so far, and the line saying why kdrun
+        stopped the job itself (None when it did not).
     """
     selector = selectors.DefaultSelector()
     sources = {proc.stdout.fileno(): "o", proc.stderr.fileno(): "e"}
@@ -220,8 +223,8 @@ def _supervise(proc: subprocess.Popen, router: OutputRouter,
 
     forwarded = 0
     kill_at = None
-    stuck = None
-    stuck_since = None
+    stopped = None
+    stuck_since = failed_since = None
     while proc.poll() is None:
         now = time.monotonic()
         if len(received) > forwarded:
@@ -236,11 +239,20 @@ def _supervise(proc: subprocess.Popen, router: OutputRouter,
                 proc.send_signal(signum)
             except OSError:
                 pass
-        if stuck is None and kill_at is None:
+        if kill_at is None:
             gone, waiting = report.stuck_in_startup(reports, num_proc)
             stuck_since = (stuck_since or now) if gone else None
+            failed = report.first_failed_rank(reports)
+            failed_since = (failed_since or now) if failed is not None else None
             if gone and now - stuck_since >= INIT_GRACE_SECONDS:
-                stuck, kill_at = (gone, waiting), now
+                kill_at = now
+                stopped = (f"kdrun: {_ranks(gone)} exited before keras_dist.init() while "
+                           f"{_ranks(waiting)} waited for {'them' if len(gone) > 1 else 'it'} "
+                           "to start MPI; stopped the job.")
+            elif failed is not None and now - failed_since >= STOP_GRACE_SECONDS:
+                kill_at = now
+                stopped = (f"kdrun: rank {failed} failed and mpiexec had not ended the job "
+                           f"{STOP_GRACE_SECONDS:g} s later; stopped the job.")
         if kill_at is not None and now >= kill_at:
             _kill_group(proc)
             kill_job_processes(job_id)
@@ -250,11 +262,11 @@ def _supervise(proc: subprocess.Popen, router: OutputRouter,
     # mpiexec is gone; give ranks it left behind (-disable-auto-cleanup, a
     # crashed hydra) a moment to end on their own and their last output to
     # arrive, then kill them.
-    deadline = time.monotonic() + (0 if received or stuck else STOP_GRACE_SECONDS)
+    deadline = time.monotonic() + (0 if received or stopped else STOP_GRACE_SECONDS)
     while (sources or find_job_processes(JOB_ID_ENV, job_id)) and time.monotonic() < deadline:
         relay(_POLL_SECONDS)
     left = kill_job_processes(job_id)
-    if left and stuck is None:
+    if left and stopped is None:
         _say(f"kdrun: killed {left} process{'es' if left > 1 else ''} of the job that "
              "outlived mpiexec.")
         if returncode == 0:
@@ -264,8 +276,8 @@ def _supervise(proc: subprocess.Popen, router: OutputRouter,
         relay(_POLL_SECONDS)
     selector.close()
     if returncode < 0:
-        return 128 - returncode, stuck
-    return returncode, stuck
+        return 128 - returncode, stopped
+    return returncode, stopped
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -190,8 +190,21 @@ def describe_failure(reports: dict[int, RankReport], num_proc: int, returncode: 
     """
     first = first_failed_rank(reports)
     if first is None:
-        return [f"kdrun: the job failed (mpiexec exit code {returncode}) and no rank "
-                "recorded a failure."]
+        lines = [f"kdrun: the job failed (mpiexec exit code {returncode}) and no rank "
+                 "recorded a failure."]
+        silent: dict[str | None, list[int]] = {}
+        for rank in range(num_proc):
+            report = reports.get(rank, RankReport(rank))
+            if report.exit is None:
+                silent.setdefault(report.host, []).append(rank)
+        if silent:
+            where = ", ".join(
+                f"{', '.join(map(str, ranks))}" + (f" (on {host})" if host else "")
+                for host, ranks in silent.items())
+            lines.append(f"kdrun: rank{'s' if sum(map(len, silent.values())) > 1 else ''} "
+                         f"{where} ended without an exit record: stopped by the process "
+                         "manager, or their host was lost.")
+        return lines
     lines = []
     report = reports.get(first, RankReport(first))
     found = failure(report)

@@ -4,8 +4,9 @@
 exact references; prints ``REPORT {json}`` with the topology and the number
 of TCP connections this rank's host holds to the other host (so the test can
 see MPI really crossed the network).
-``multihost_worker.py loop``: allreduces for a minute (a host gets killed),
-touching ``$FAULT_READY_DIR/rank<r>.ready`` once the first one is done.
+``multihost_worker.py loop``: allreduces for a minute (a rank or a host gets
+killed), printing ``UP rank host pid`` and touching
+``$FAULT_READY_DIR/rank<r>.ready`` once the first one is done.
 """
 
 import json
@@ -62,7 +63,7 @@ if sys.argv[1] == "check":
 else:
     data = np.ones(1 << 16, np.float32)
     kd.allreduce(data, op=kd.Sum)
-    print("UP", rank, socket.gethostname(), flush=True)
+    print("UP", rank, socket.gethostname(), os.getpid(), flush=True)
     open(os.path.join(os.environ["FAULT_READY_DIR"], f"rank{rank}.ready"), "w").close()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -8,6 +8,7 @@ Needs root and ``ip netns``; skipped otherwise.
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -109,8 +110,8 @@ def test_collectives_across_hosts(hosts, transport):
     assert all(report["tcp_to_other_hosts"] > 0 for report in reports), message
 
 
-def test_losing_a_host_ends_the_job(hosts):
-    host_list, env, namespaces, entries = hosts
+def _start_loop(hosts):
+    host_list, env, _, _ = hosts
     ready_dir = tempfile.mkdtemp(prefix="kdready-")
     job = start_job([sys.executable, WORKER, "loop"], np=4,
                     env={**env, "FAULT_READY_DIR": ready_dir}, kdrun_args=["-H", host_list])
@@ -119,9 +120,42 @@ def test_losing_a_host_ends_the_job(hosts):
            and time.monotonic() < deadline):
         time.sleep(0.2)
     shutil.rmtree(ready_dir, ignore_errors=True)
+    return job
+
+
+def test_a_rank_killed_on_another_host_is_named(hosts):
+    # Rank 2's supervisor, on the second "host", records the kill; the record
+    # reaches kdrun through hydra's proxy there and mpiexec.
+    _, _, namespaces, entries = hosts
+    job = _start_loop(hosts)
     pids = subprocess.run(["ip", "netns", "pids", namespaces[1]], capture_output=True,
                           text=True, timeout=30).stdout.split()
-    for pid in pids:
+    try:
+        with open(os.path.join(job.output_dir, "rank2.stdout")) as handle:
+            rank_2 = int(handle.read().split()[3])
+    except (OSError, IndexError, ValueError):
+        rank_2 = None
+    if rank_2 is not None and str(rank_2) in pids:
+        os.kill(rank_2, 9)
+    result = job.wait(45)
+    message = result.describe()
+    assert rank_2 is not None and str(rank_2) in pids, message
+    assert result.returncode != 0 and not result.timed_out, message
+    named = re.findall(r"^kdrun: rank (\d+) \(pid (\d+) on (\S+)\) failed first: (.*)$",
+                       result.launcher_stderr, re.MULTILINE)
+    assert len(named) == 1, message
+    assert named[0][:3] == ("2", str(rank_2), entries[1][2]), message
+    assert named[0][3] in ("killed by SIGKILL", "it ended before it could record how; "
+                           "rank 3 reported its failure"), message
+    assert result.leftovers == [], message
+
+
+def test_losing_a_host_ends_the_job(hosts):
+    _, _, namespaces, entries = hosts
+    job = _start_loop(hosts)
+    pids = subprocess.run(["ip", "netns", "pids", namespaces[1]], capture_output=True,
+                          text=True, timeout=30).stdout.split()
+    for pid in pids:  # hydra's proxy, the supervisors and the ranks there
         try:
             os.kill(int(pid), 9)
         except OSError:
@@ -130,7 +164,7 @@ def test_losing_a_host_ends_the_job(hosts):
     message = result.describe()
     assert pids, message
     assert result.returncode != 0 and not result.timed_out, message
-    # The first rank of the lost host seen to exit is named.
-    assert "ended without finishing" in result.launcher_stderr, message
-    assert "on " + entries[1][2] + ")" in result.launcher_stderr, message
+    # Nothing there could record anything: kdrun says so, naming the host's ranks.
+    assert f"2, 3 (on {entries[1][2]})" in result.launcher_stderr, message
+    assert "ended without an exit record" in result.launcher_stderr, message
     assert result.leftovers == [], message

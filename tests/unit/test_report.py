@@ -144,7 +144,14 @@ def test_describe_lists_every_other_rank_once():
 
 def test_describe_without_any_failure_recorded():
     assert report.describe_failure(_reports(_started(0)), 2, 7) == [
-        "kdrun: the job failed (mpiexec exit code 7) and no rank recorded a failure."]
+        "kdrun: the job failed (mpiexec exit code 7) and no rank recorded a failure.",
+        "kdrun: ranks 0 (on h), 1 ended without an exit record: stopped by the process "
+        "manager, or their host was lost."]
+    reports = _reports(_started(0, "a"), _started(1, "a"), _started(2, "b"),
+                       _exit(3, 1.0, host="b", returncode=0, finished=True))
+    assert report.describe_failure(reports, 4, 255)[1] == (
+        "kdrun: ranks 0, 1 (on a), 2 (on b) ended without an exit record: stopped by the "
+        "process manager, or their host was lost.")
     assert not report.any_failure(_reports(_started(0), _exit(1, 1.0, returncode=0,
                                                                  finished=True)))
 
