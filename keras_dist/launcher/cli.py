@@ -19,11 +19,10 @@ given. Whatever happened, kdrun leaves no process of the job running and
 removes the shared-memory files the job left in ``/dev/shm``.
 
 Failures kdrun handles beyond what mpiexec does: a rank that failed while
-mpiexec keeps the job running (hydra stops only that rank's host: kdrun stops
-the job ``STOP_GRACE_SECONDS`` later), a rank that fails before MPI start-up
-while its peers wait for it there (hydra waits forever: kdrun stops the job
-``INIT_GRACE_SECONDS`` later), and kdrun's own death (mpiexec is SIGKILLed
-with it). SIGINT/SIGTERM/SIGHUP are forwarded to mpiexec; ranks
+mpiexec keeps the job running (hydra stops only that rank's host, and waits
+forever when a rank fails before MPI start-up while its peers wait for it
+there): kdrun stops the job ``STOP_GRACE_SECONDS`` later; and kdrun's own
+death (mpiexec is SIGKILLed with it). SIGINT/SIGTERM/SIGHUP are forwarded to mpiexec; ranks
 still running ``STOP_GRACE_SECONDS`` later, or at a second signal, are
 SIGKILLed. Exit status: mpiexec's, 128 + the signal when kdrun was signalled,
 1 when kdrun found a failure mpiexec did not report.
@@ -66,9 +65,6 @@ TIMELINE_ENV = "KERAS_DIST_TIMELINE"
 # mpiexec itself has ended, before kdrun kills what is left.
 STOP_GRACE_SECONDS = 3.0
 _POLL_SECONDS = 0.05
-# Seconds ranks may stay in MPI start-up after a peer failed before init()
-# (hydra never stops such a job) before kdrun stops it.
-INIT_GRACE_SECONDS = 5.0
 
 
 def _say(message: str) -> None:
@@ -199,9 +195,9 @@ def _supervise(proc: subprocess.Popen, router: OutputRouter,
     """Relays mpiexec's output and forwards signals until the job has ended.
 
     kdrun stops the job itself when the records show a rank failed and
-    mpiexec has not ended the job ``STOP_GRACE_SECONDS`` later (hydra stops
-    only the failed rank's host), or when ranks wait in MPI start-up for a
-    peer that failed before init (``INIT_GRACE_SECONDS``).
+    mpiexec has not ended the job ``STOP_GRACE_SECONDS`` later: hydra stops
+    only the failed rank's host, and nothing when a rank fails before MPI
+    start-up while its peers wait for it there.
 
     Returns:
         kdrun's exit code for the job so far, and the line saying why kdrun
@@ -224,7 +220,7 @@ def _supervise(proc: subprocess.Popen, router: OutputRouter,
     forwarded = 0
     kill_at = None
     stopped = None
-    stuck_since = failed_since = None
+    failed_since = None
     while proc.poll() is None:
         now = time.monotonic()
         if len(received) > forwarded:
@@ -239,18 +235,16 @@ def _supervise(proc: subprocess.Popen, router: OutputRouter,
                 proc.send_signal(signum)
             except OSError:
                 pass
-        if kill_at is None:
+        failed = report.first_failed_rank(reports)
+        failed_since = (failed_since or now) if failed is not None else None
+        if kill_at is None and failed is not None and now - failed_since >= STOP_GRACE_SECONDS:
+            kill_at = now
             gone, waiting = report.stuck_in_startup(reports, num_proc)
-            stuck_since = (stuck_since or now) if gone else None
-            failed = report.first_failed_rank(reports)
-            failed_since = (failed_since or now) if failed is not None else None
-            if gone and now - stuck_since >= INIT_GRACE_SECONDS:
-                kill_at = now
+            if gone:
                 stopped = (f"kdrun: {_ranks(gone)} exited before keras_dist.init() while "
                            f"{_ranks(waiting)} waited for {'them' if len(gone) > 1 else 'it'} "
                            "to start MPI; stopped the job.")
-            elif failed is not None and now - failed_since >= STOP_GRACE_SECONDS:
-                kill_at = now
+            else:
                 stopped = (f"kdrun: rank {failed} failed and mpiexec had not ended the job "
                            f"{STOP_GRACE_SECONDS:g} s later; stopped the job.")
         if kill_at is not None and now >= kill_at:
