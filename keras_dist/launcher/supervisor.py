@@ -46,6 +46,7 @@ import fcntl
 import functools
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -70,6 +71,7 @@ RANK_ENV = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 _FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
+_LINE_END = re.compile(rb"[\r\n]")
 _READ_BYTES = 65536
 
 
@@ -126,11 +128,9 @@ class LineSplitter:
         frames = []
         data = self._pending + data
         start = 0
-        for index in range(len(data)):
-            byte = data[index]
-            if byte == 10 or byte == 13:  # \n, \r
-                frames += self._pieces(data[start:index], "n" if byte == 10 else "r")
-                start = index + 1
+        for end in _LINE_END.finditer(data):
+            frames += self._pieces(data[start:end.start()], "n" if end[0] == b"\n" else "r")
+            start = end.end()
         rest = data[start:]
         while len(rest) > self._limit:
             frames.append(frame(self._rank, self._stream + "+", rest[: self._limit]))
@@ -187,7 +187,15 @@ class Supervisor:
     # --- sending ---------------------------------------------------------------
 
     def _send(self, frames: list[bytes]) -> None:
+        # Whole frames, several to a write while they fit in FRAME_BYTES: each
+        # write stays atomic, and a rank printing short lines costs few calls.
+        batches: list[bytes] = []
         for data in frames:
+            if batches and len(batches[-1]) + len(data) <= FRAME_BYTES:
+                batches[-1] += data
+            else:
+                batches.append(data)
+        for data in batches:
             if not self._output_ok:
                 return
             try:
