@@ -24,6 +24,7 @@ import json
 import os
 import select
 import socket
+import struct
 import time
 
 SUPERVISOR_FD_ENV = "KERAS_DIST_SUPERVISOR_FD"
@@ -43,12 +44,30 @@ def _get_channel() -> socket.socket | None:
     if fd != _channel_fd:
         _channel_fd, _channel = fd, None
         if fd.isdigit():
-            try:
-                _channel = socket.socket(fileno=int(fd))
-                _channel.set_inheritable(False)
-            except OSError:
-                _channel = None
+            _channel = _open_channel(int(fd))
     return _channel
+
+
+def _open_channel(fd: int) -> socket.socket | None:
+    """The socket ``fd`` when its other end belongs to this process's parent.
+
+    A process that inherited the variable but not the descriptor (a command
+    the rank started itself) may have anything at that number: it is left alone.
+    """
+    try:
+        channel = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        creds = channel.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                   struct.calcsize("3i"))
+        if channel.family == socket.AF_UNIX and struct.unpack("3i", creds)[0] == os.getppid():
+            channel.set_inheritable(False)
+            return channel
+    except OSError:
+        pass
+    channel.detach()
+    return None
 
 
 def _send(record: dict) -> socket.socket | None:

@@ -6,6 +6,7 @@ import io
 import mmap
 import os
 import secrets
+import socket
 import subprocess
 import sys
 
@@ -417,6 +418,25 @@ def test_supervisor_reports_a_command_that_cannot_start(tmp_path):
     (record,) = _records([line[len(supervisor.MAGIC):].split(b" ", 2)
                           for line in done.stdout.splitlines()])
     assert "cannot run" in record["spawn_error"] and "No such file" in record["spawn_error"]
+
+
+def test_jobstatus_leaves_alone_a_descriptor_that_is_not_its_parents_channel(monkeypatch):
+    # A command started by a rank inherits the variable, not the descriptor.
+    own_end, other_end = socket.socketpair()  # its peer is this process, not the parent
+    read_end, write_end = os.pipe()
+    try:
+        for fd in (own_end.fileno(), read_end):
+            monkeypatch.setenv(jobstatus.SUPERVISOR_FD_ENV, str(fd))
+            assert not jobstatus.supervised()
+            jobstatus.record_start(0)
+            os.fstat(fd)  # still open
+        other_end.sendall(b"x")
+        assert own_end.recv(1) == b"x"  # nothing was written to it
+    finally:
+        for handle in (own_end, other_end):
+            handle.close()
+        os.close(read_end)
+        os.close(write_end)
 
 
 def test_jobstatus_writers_are_noops_without_a_supervisor(monkeypatch):
