@@ -11,7 +11,7 @@ from keras_dist.launcher import slurm as _slurm
 
 USAGE = """\
 usage: kdrun [-np N] [-H HOST:SLOTS[,...] | --hostfile FILE] [--timeline PATH]
-             [--output-dir DIR] [--] COMMAND...
+             [--output-dir DIR] [--no-label] [--ranks LIST] [--] COMMAND...
 
 Runs COMMAND (no shell) on N ranks through mpiexec.
 
@@ -23,7 +23,9 @@ options:
   --hostfile FILE      hosts from FILE, one a line: `host slots=N`, `host:N` or `host`
   --timeline PATH      write a Chrome-trace timeline of the collectives to PATH
   --output-dir DIR     write each rank's output to DIR/rank<r>.stdout and .stderr
-                       (MPICH; Open MPI writes its own layout under DIR)
+                       (unlabelled) instead of printing it
+  --no-label           print the ranks' lines without the `[rank] ` prefix
+  --ranks LIST         print only these ranks' output, e.g. --ranks 0 or --ranks 0,2
   --mpiexec PATH       the mpiexec to use (default: beside this Python, else on PATH)
   -h, --help           show this message
 """
@@ -43,6 +45,10 @@ class LaunchOptions:
     timeline: str | None = None
     mpiexec: str | None = None
     output_dir: str | None = None
+    #: Prefix each line of a rank's output with ``[rank] ``.
+    label: bool = True
+    #: Print only these ranks' output (None: every rank's).
+    ranks: tuple[int, ...] | None = None
     #: The hosts are the nodes of the Slurm job kdrun runs in; mpiexec starts
     #: its processes there through Slurm.
     slurm: bool = False
@@ -98,6 +104,7 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Lau
         "-H": "hosts", "--hosts": "hosts", "-hosts": "hosts",
         "--hostfile": "hostfile", "-hostfile": "hostfile",
         "--timeline": "timeline", "--mpiexec": "mpiexec", "--output-dir": "output_dir",
+        "--ranks": "ranks",
     }
     index = 0
     while index < len(argv):
@@ -109,6 +116,10 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Lau
             raise UsageError("")
         if not arg.startswith("-") or arg == "-":
             break
+        if arg == "--no-label":  # the one option without a value
+            values["no_label"] = ""
+            index += 1
+            continue
         name, has_value, value = arg.partition("=")
         if name not in names:
             raise UsageError(f"Unknown option {arg!r}. Put `--` before the command if it "
@@ -139,6 +150,12 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Lau
         )
     if not command:
         raise UsageError("No command given to run.")
+    ranks = tuple(int(r) for r in values["ranks"].split(",") if r.strip().isdigit()) if (
+        "ranks" in values) else None
+    if ranks is not None and (not ranks or len(ranks) != len(values["ranks"].split(","))
+                              or max(ranks) >= num_proc):
+        raise UsageError(f"`--ranks` must be a comma-separated list of ranks in [0, {num_proc}). "
+                         f"Received: --ranks {values['ranks']!r}")
     timeline = values.get("timeline")
     return LaunchOptions(
         num_proc=num_proc,
@@ -148,4 +165,6 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Lau
         timeline=os.path.abspath(timeline) if timeline else None,
         mpiexec=values.get("mpiexec"),
         output_dir=os.path.abspath(values["output_dir"]) if "output_dir" in values else None,
+        label="no_label" not in values,
+        ranks=ranks,
     )
