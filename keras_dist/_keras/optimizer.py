@@ -7,6 +7,7 @@ from keras import ops
 
 from keras_dist import _vocab
 from keras_dist._keras import compat
+from keras_dist._keras.gradients import GradientReduction, to_dense
 from keras_dist._runtime import context
 from keras_dist.tensor import ops as kd_ops
 
@@ -21,22 +22,6 @@ def _compression_name(compression) -> str:
         "`compression` must be keras_dist.Compression.none or keras_dist.Compression.fp16. "
         f"Received: compression={compression!r}"
     )
-
-
-def _is_indexed_slices(grad) -> bool:
-    if keras.backend.backend() != "tensorflow":
-        return False
-    import tensorflow as tf
-
-    return isinstance(grad, tf.IndexedSlices)
-
-
-def _to_dense(grad):
-    if _is_indexed_slices(grad):
-        import tensorflow as tf
-
-        return tf.convert_to_tensor(grad)
-    return grad
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -236,7 +221,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         ]
         for grad, accumulator in zip(grads, accumulators):
             if grad is not None:
-                accumulator.assign_add(ops.cast(_to_dense(grad), accumulator.dtype))
+                accumulator.assign_add(ops.cast(to_dense(grad), accumulator.dtype))
         self.local_steps.assign_add(1)
 
         def communicate():
@@ -253,52 +238,10 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _reduce(self, grads):
         """Reduces ``grads`` across ranks: dense ones in one grouped allreduce."""
-        size = context.get().size
-        if size == 1:
-            return grads
-        op, prescale, postscale = self.op, 1.0, 1.0
-        if self.op is _vocab.Average and self.gradient_predivide_factor != 1.0:
-            op = _vocab.Sum
-            prescale = 1.0 / self.gradient_predivide_factor
-            postscale = self.gradient_predivide_factor / size
-        reduced = list(grads)
-        dense = []
-        sparse = []
-        for index, grad in enumerate(grads):
-            if grad is None:
-                continue
-            if _is_indexed_slices(grad):
-                if self.sparse_as_dense:
-                    reduced[index] = _to_dense(grad)
-                    dense.append(index)
-                else:
-                    sparse.append(index)
-            else:
-                dense.append(index)
-        results = kd_ops.grouped_allreduce(
-            [reduced[i] for i in dense], op=op, prescale_factor=prescale,
-            postscale_factor=postscale, compression=self.compression,
-        )
-        for index, result in zip(dense, results):
-            reduced[index] = result
-        for index in sparse:
-            reduced[index] = self._allgather_slices(grads[index], size)
-        return reduced
-
-    def _allgather_slices(self, grad, size):
-        import tensorflow as tf
-
-        if self.op not in (_vocab.Average, _vocab.Sum):
-            raise ValueError(
-                "Sparse (IndexedSlices) gradients can be reduced with op=Average or Sum "
-                f"only; pass sparse_as_dense=True for other ops. Received: op={self.op}"
-            )
-        values, context = self.compression.compress(grad.values)
-        values = self.compression.decompress(kd_ops.allgather(values), context)
-        indices = kd_ops.allgather(grad.indices)
-        if self.op is _vocab.Average:
-            values = values / tf.cast(size, values.dtype)
-        return tf.IndexedSlices(values, indices, grad.dense_shape)
+        reduction = GradientReduction(
+            op=self.op, compression=self.compression, sparse_as_dense=self.sparse_as_dense,
+            gradient_predivide_factor=self.gradient_predivide_factor)
+        return reduction.reduce(grads, None, context.get().size)
 
     def _apply_reduced(self, grads, trainable_variables):
         if self._uses_loss_scale():
