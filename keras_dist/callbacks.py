@@ -1,17 +1,4 @@
 """Public path of the Keras callbacks (``keras_dist._keras.callbacks``)."""
 
-from keras_dist._keras.callbacks import (
-    BestModelCheckpoint,
-    BroadcastGlobalVariablesCallback,
-    LearningRateScheduleCallback,
-    LearningRateWarmupCallback,
-    MetricAverageCallback,
-)
-
-__all__ = [
-    "BestModelCheckpoint",
-    "BroadcastGlobalVariablesCallback",
-    "LearningRateScheduleCallback",
-    "LearningRateWarmupCallback",
-    "MetricAverageCallback",
-]
+from keras_dist._keras.callbacks import *  # noqa: F403
+from keras_dist._keras.callbacks import __all__  # noqa: F401
