@@ -49,6 +49,21 @@ def get() -> Group:
     return group
 
 
+def group_for(process_set=None) -> Group:
+    """The group a collective runs on: the job's (``process_set`` None or the
+    global set), or the group of a ``keras_dist.ProcessSet``.
+
+    Raises:
+        NotInitializedError: ``init()`` has not been called.
+        ValueError: this rank is not a member of ``process_set``, or the set
+            is not registered (raised by the set itself).
+    """
+    group = get()
+    if process_set is None:
+        return group
+    return process_set._resolve(group)
+
+
 def is_initialized() -> bool:
     return _group is not None
 
