@@ -2,8 +2,9 @@
 
 A transport that waits on a request it cannot interrupt (an MPI request) polls
 it through ``Waiter.wait``: it spins, then yields, then sleeps between polls,
-checks that the peers on this machine are still alive, warns once when the
-wait passes the stall threshold, and raises when it passes the timeout. The
+checks that the peers on this machine are still alive and have not left the
+group, warns once when the wait passes the stall threshold, and raises when
+it passes the timeout. The
 durations are the native engine's (``WAIT_TIMINGS``), one set for every wait.
 """
 
@@ -45,10 +46,13 @@ class Waiter:
         transport: the transport's name, for messages.
         arrivals: a callable returning the list of ranks known not to have
             joined the collective yet, or None when that cannot be known.
+        departed: a callable returning the ranks known to have left the
+            group (closed their transport); waiting for them raises.
     """
 
     def __init__(self, peers, rank: int, stall_seconds: float, timeout_seconds: float | None,
-                 transport: str, arrivals: Callable[[], list[int] | None] | None = None) -> None:
+                 transport: str, arrivals: Callable[[], list[int] | None] | None = None,
+                 departed: Callable[[], list[int]] | None = None) -> None:
         host = socket.gethostname()
         self.rank = rank
         self.local_peers = [(r, pid) for r, h, pid in peers if h == host and r != rank]
@@ -56,6 +60,7 @@ class Waiter:
         self.timeout_seconds = timeout_seconds
         self.transport = transport
         self.arrivals = arrivals
+        self.departed = departed
 
     def wait(self, test: Callable[[], bool], what: str) -> None:
         """Returns once ``test()`` is true; ``what`` names the collective in messages."""
@@ -90,7 +95,16 @@ class Waiter:
                     f"{self.transport}); {self._missing_text()}"
                 )
 
+    def check_departed(self, what: str) -> None:
+        """Raises ``PeerFailureError`` if a peer has left the group."""
+        for peer in self.departed() if self.departed else ():
+            raise PeerFailureError(
+                f"rank {peer} has shut down keras_dist (left the group) while rank "
+                f"{self.rank} waits in {what} (transport {self.transport})", peer_rank=peer,
+            )
+
     def _check_peers(self, what: str) -> None:
+        self.check_departed(what)
         for peer, pid in self.local_peers:
             if not process_alive(pid):
                 raise PeerFailureError(

@@ -7,10 +7,14 @@ wait is bounded: the leaders wait in ``MpiTransport``'s checked path (a
 ``Waiter`` with liveness checks, stall warnings and the timeout), the other
 ranks in the engine.
 
-Before any data moves across machines, the leaders compare what each
-machine was called with, so a mismatch between machines raises
-``CollectiveMismatchError`` on every rank of every machine instead of
-mixing data.
+Before any data moves, every rank of every machine reaches the same
+verdict on the call: the ranks of each machine compare their calls (the
+engine's header-only step), the leaders compare their machines' calls and
+verdicts (``MpiTransport.agree``), and a leader that learns of a mismatch
+anywhere hands the verdict to its machine in place of the collective's first
+step (``ShmTransport.raise_mismatch``). So a mismatch, inside one machine or
+between machines, raises ``CollectiveMismatchError`` with the same message
+on every rank, moves no data, and leaves every level usable.
 
 Ranks are numbered as in the group's communicator; at construction every
 rank checks that its communicators describe one consistent layout (each
@@ -20,7 +24,7 @@ group rank once, on one machine, at one local rank).
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -90,12 +94,13 @@ class HierarchicalTransport(Transport):
     def allreduce(self, buf: np.ndarray, op: int, name: str | None = None,
                   send: np.ndarray | None = None) -> None:
         _vocab.dtype_code(buf.dtype)  # an unsupported dtype raises before any wait
-        if self._leaders is not None:
-            self._agree_across_machines(
-                "allreduce",
-                {"dtype": buf.dtype.name, "count": buf.size, "op": _vocab.OP_NAMES.get(op, op),
-                 "name": name},
-            )
+        self._settle(
+            "allreduce",
+            {"dtype": buf.dtype.name, "count": buf.size, "op": _vocab.OP_NAMES.get(op, op),
+             "name": name},
+            lambda: self._local.check("allreduce", nbytes=buf.nbytes, dtype=buf.dtype, op=op,
+                                      name=name),
+        )
         if _vocab.is_half(buf.dtype):
             # Both levels reduce in float32 and the result is rounded once, as
             # on one machine (the wider messages cost twice the bytes).
@@ -120,10 +125,10 @@ class HierarchicalTransport(Transport):
             )
         view = buf.view(np.uint8)
         root_node, root_local = self._where[root]
-        if self._leaders is not None:
-            self._agree_across_machines(
-                "broadcast", {"bytes": view.nbytes, "root": root, "name": name}
-            )
+        self._settle(
+            "broadcast", {"bytes": view.nbytes, "root": root, "name": name},
+            lambda: self._local.check("broadcast", nbytes=view.nbytes, root=root, name=name),
+        )
         on_root_node = self._node == root_node
         if on_root_node and root_local != 0:
             self._local.broadcast(view, root_local, name)
@@ -143,10 +148,10 @@ class HierarchicalTransport(Transport):
         itemsize = send.dtype.itemsize
         byte_counts = [int(c) * itemsize for c in counts]
         recv_bytes = recv.view(np.uint8)
-        if self._leaders is not None:
-            self._agree_across_machines(
-                "allgather", {"counts": tuple(byte_counts), "name": name}
-            )
+        self._settle(
+            "allgather", {"counts": tuple(byte_counts), "name": name},
+            lambda: self._local.check("allgather", counts_bytes=byte_counts, name=name),
+        )
         node_counts = [byte_counts[g] for g in self._members[self._node]]
         node_blob = np.empty(sum(node_counts), np.uint8)
         self._local.allgatherv(send.view(np.uint8), node_blob, node_counts, name)
@@ -167,26 +172,57 @@ class HierarchicalTransport(Transport):
         self._local.broadcast(recv_bytes, 0, name)
 
     def barrier(self) -> None:
-        if self._leaders is not None:
-            self._agree_across_machines("barrier", {})
+        self._settle("barrier", {}, lambda: self._local.check("barrier"))
         self._local.barrier()
         if self._leaders is not None:
             self._leaders.barrier()
         self._local.barrier()
 
-    def _agree_across_machines(self, kind: str, fields: dict) -> None:
-        """Leaders only: compares this collective with the other machines' first.
+    def _settle(self, kind: str, fields: dict, check_machine: Callable[[], None]) -> None:
+        """Returns once every rank of every machine called this collective alike.
 
-        Ranks inside a machine are compared by the engine; across machines the
-        leaders compare what they were called with (a bounded wait) before any
-        data moves, so a mismatch raises on every rank instead of hanging or
-        mixing data: the leaders raise, and end their machine's engine so that
-        the other ranks there raise the same error.
+        Otherwise raises ``CollectiveMismatchError`` with the same message on
+        every rank of every machine, before any data moved. ``fields`` is what
+        the machines must agree on; ``check_machine`` compares the call among
+        this machine's ranks (the engine's header-only step).
+
+        A rank whose machine agrees, and that is not its leader, returns at
+        once: if another machine disagrees, its leader's verdict takes the
+        place of the collective's first step on this machine, and that step
+        raises.
+        """
+        local_mismatch = None
+        try:
+            check_machine()
+        except errors.CollectiveMismatchError as exc:
+            local_mismatch = str(exc)
+        verdict = None
+        if self._leaders is not None:
+            verdict = self._agree_across_machines(kind, fields, local_mismatch)
+        if verdict is not None or local_mismatch is not None:
+            # Every rank here knows the call fails (the leader, from the
+            # machines' verdicts; the others, from their machine's mismatch,
+            # which their leader reported too): the leader's message reaches
+            # them all.
+            self._local.raise_mismatch(verdict or "")
+
+    def _agree_across_machines(self, kind: str, fields: dict,
+                               local_mismatch: str | None) -> str | None:
+        """Leaders only: the mismatch message every rank raises, or None if all agree.
+
+        The leaders compare what their machines were called with, and each
+        machine's own verdict (a bounded wait). A mismatch inside a machine
+        wins (the first machine's message), so the ranks of that machine and
+        of every other raise the same one.
         """
         mine = {"collective": kind, **fields}
-        everyone = self._leaders.agree(kind, mine)
-        if everyone is None:
-            return
+        everyone = self._leaders.agree(kind, {**mine, "mismatch": local_mismatch})
+        if everyone is None:  # the same call everywhere, and the same verdict inside
+            return local_mismatch
+        inside = [other.pop("mismatch") for other in everyone]
+        for message in inside:
+            if message is not None:
+                return message
         keys = list(dict.fromkeys(k for other in everyone for k in other))
         differing = [k for k in keys if any(o.get(k) != mine.get(k) for o in everyone)]
         shown = differing if "collective" in differing else [k for k in keys if k != "collective"]
@@ -200,20 +236,20 @@ class HierarchicalTransport(Transport):
             verb = "called" if "collective" in differing else "has"
             described.append(f"rank {self._members[machine][0]} {verb} {values}".rstrip())
         title = "collective" if "collective" in differing else kind
-        message = f"{title} mismatch between machines: " + ", ".join(described)
-        self._local.abort_mismatch(message)
-        raise errors.CollectiveMismatchError(message)
+        return f"{title} mismatch between machines: " + ", ".join(described)
 
     def close(self) -> None:
+        """Leaves the group (first, so that no peer waits on this rank), then
+        releases both levels."""
+        local = getattr(self, "_local", None)
+        if local is not None:
+            local.close()
         leaders, self._leaders = getattr(self, "_leaders", None), None
         if leaders is not None:
             leaders.close()
         comm, self._leaders_comm = getattr(self, "_leaders_comm", None), None
         if comm is not None:
             comm.Free()
-        local = getattr(self, "_local", None)
-        if local is not None:
-            local.close()
 
 
 def _layout_problem(machines: list[list[int]], everyone: list[tuple]) -> str | None:

@@ -5,7 +5,8 @@ thing (kind, op, dtype, count, root, and the tensor layer's description) and
 raises ``CollectiveMismatchError`` on every rank otherwise. That check is
 where a rank waits for late peers: it is posted non-blocking and polled
 through a ``Waiter``, so the wait is bounded: a dead peer on this machine
-raises ``PeerFailureError``, a long wait warns (``StallWarning``) naming the
+raises ``PeerFailureError``, as does a peer on this machine that has closed
+its transport (left the group), a long wait warns (``StallWarning``) naming the
 ranks that have not joined, and ``KERAS_DIST_TIMEOUT_SECONDS`` turns it into
 ``CollectiveTimeoutError``.
 """
@@ -21,6 +22,9 @@ from keras_dist import _vocab
 from keras_dist._runtime.liveness import Waiter, describe_peers
 from keras_dist.errors import CollectiveMismatchError
 from keras_dist.transports.base import Transport
+
+#: Arrival-board value of a rank that has closed its transport (left the group).
+_LEFT = -1
 
 
 class MpiTransport(Transport):
@@ -63,7 +67,7 @@ class MpiTransport(Transport):
             _vocab.PRODUCT: MPI.PROD,
         }
         # Arrival board: one int64 per local rank in shared memory, holding the
-        # number of collectives that rank has entered.
+        # number of collectives that rank has entered, or _LEFT once it closed.
         self._board_window = MPI.Win.Allocate_shared(8, 8, comm=local_comm)
         self._board = [
             np.frombuffer(self._board_window.Shared_query(r)[0], np.int64, 1)
@@ -78,13 +82,16 @@ class MpiTransport(Transport):
         peers = [(names[rank], host, pid) for rank, host, pid in describe_peers(comm)]
         self._waiter = Waiter(
             peers, names[self.rank], config.stall_check_seconds,
-            config.timeout_seconds, self.name, self._missing_ranks,
+            config.timeout_seconds, self.name, self._missing_ranks, self._departed_ranks,
         )
 
     def _missing_ranks(self) -> list[int] | None:
         missing = [rank for rank, board in zip(self._board_ranks, self._board)
                    if board[0] < self._sequence]
         return None if self._spans_machines and not missing else missing
+
+    def _departed_ranks(self) -> list[int]:
+        return [rank for rank, board in zip(self._board_ranks, self._board) if board[0] == _LEFT]
 
     def _enter(self, kind: str, signature: str) -> None:
         """Counts the collective on the board and checks every rank agrees on it."""
@@ -111,11 +118,12 @@ class MpiTransport(Transport):
             None when all agree, else every rank's ``description`` in rank order.
         """
         self._sequence += 1
+        what = f"{kind} (check of call #{self._sequence})"
+        self._waiter.check_departed(what)  # before posting a call nobody would answer
         self._board[self._local_rank][0] = self._sequence
         digest = int.from_bytes(
             hashlib.blake2b(repr(description).encode(), digest_size=7).digest(), "little")
         check = np.array([digest, -digest], np.int64)
-        what = f"{kind} (check of call #{self._sequence})"
         self._waiter.wait(self.comm.Iallreduce(self._mpi.IN_PLACE, check, self._mpi.MAX).Test,
                           what)
         if check[0] == digest and -check[1] == digest:
@@ -161,7 +169,10 @@ class MpiTransport(Transport):
         self._enter("barrier", "barrier")  # the check is itself a barrier
 
     def close(self) -> None:
+        """Leaves the group (peers on this machine waiting for this rank raise), then
+        frees the arrival board (collective among this machine's ranks)."""
         window, self._board_window = getattr(self, "_board_window", None), None
         if window is not None:
+            self._board[self._local_rank][0] = _LEFT
             self._board = []
             window.Free()

@@ -34,8 +34,9 @@ _NATIVE_ERRORS = (
 
 
 # The peer a native PeerFailureError names after "<collective> on rank R: ": "rank P
-# (pid ...) died ...", "rank P (local rank L) aborted: ...", "cannot read the buffer of
-# rank P ...". A bare "local rank P" is not a rank of the job: no peer then.
+# (pid ...) died ...", "rank P (local rank L) aborted: ...", "rank P has shut down
+# keras_dist (left the group) ...", "cannot read the buffer of rank P ...". A bare
+# "local rank P" is not a rank of the job: no peer then.
 _PEER_RE = re.compile(r": (?:cannot read the buffer of )?rank (\d+) ")
 
 
@@ -188,10 +189,47 @@ class ShmTransport(Transport):
         except _NATIVE_ERRORS as exc:
             raise _translate(exc) from None
 
-    def abort_mismatch(self, message: str) -> None:
-        """Ends the transport: every rank's current or next collective raises
-        ``CollectiveMismatchError(message)`` (for mismatches found outside it)."""
-        self._open_engine().abort_mismatch(message)
+    # -- header-only steps (for transports built on this one) ---------------
+
+    def check(self, kind: str, *, nbytes: int = 0, dtype: np.dtype | None = None, op: int = 0,
+              root: int = 0, counts_bytes: Sequence[int] = (), name: str | None = None) -> None:
+        """Compares a collective among the ranks without moving data.
+
+        Raises ``CollectiveMismatchError`` on every rank exactly when
+        ``kind`` (``"allreduce"``, ``"broadcast"``, ``"allgather"`` or
+        ``"barrier"``) with these arguments would; the transport stays usable.
+        ``nbytes``/``dtype``/``op`` describe an allreduce, ``nbytes``/``root``
+        a broadcast, ``counts_bytes`` an allgather.
+        """
+        engine = self._open_engine()
+        try:
+            if kind == "allreduce":
+                engine.check_allreduce(nbytes, _vocab.dtype_code(dtype), op, name)
+            elif kind == "broadcast":
+                engine.check_broadcast(nbytes, root, name)
+            elif kind == "allgather":
+                engine.check_allgatherv([int(c) for c in counts_bytes], name)
+            elif kind == "barrier":
+                engine.check_barrier()
+            else:
+                raise ValueError(
+                    "`kind` must be 'allreduce', 'broadcast', 'allgather' or 'barrier'. "
+                    f"Received: kind={kind!r}"
+                )
+        except _NATIVE_ERRORS as exc:
+            raise _translate(exc) from None
+
+    def raise_mismatch(self, message: str) -> None:
+        """Takes the place of this rank's next collective and fails it on every rank.
+
+        Every rank raises ``CollectiveMismatchError`` for that collective,
+        with the first non-empty ``message`` any rank gave (a verdict reached
+        outside this transport); the transport stays usable.
+        """
+        try:
+            self._open_engine().raise_mismatch(message)
+        except _NATIVE_ERRORS as exc:
+            raise _translate(exc) from None
 
     def scratch(self, nbytes: int) -> np.ndarray:
         """A view of this rank's next shared buffer when it fits.
@@ -212,8 +250,10 @@ class ShmTransport(Transport):
         return engine
 
     def close(self) -> None:
+        """Leaves the group (peers waiting for this rank raise) and releases the segment."""
         engine, self._engine = self._engine, None
         if engine is not None:
+            engine.leave()
             engine.unlink()
 
 

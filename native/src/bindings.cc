@@ -1,7 +1,7 @@
 // The Python face of the native extension: keras_dist._native.
 // Buffers arrive through the buffer protocol as 1-D C-contiguous uint8 arrays
 // (callers pass arr.view(np.uint8)); dtype and op are the codes of
-// keras_dist/_dtypes.py. Every wait happens with the GIL released.
+// keras_dist/_vocab.py. Every wait happens with the GIL released.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
@@ -40,7 +40,7 @@ class ByteBuffer {
     }
     held_ = true;
     const char* fmt = view_.format ? view_.format : "B";
-    const bool same_size = element_size > 1 && size_t(view_.itemsize) == element_size;
+    const bool same_size = element_size > 0 && size_t(view_.itemsize) == element_size;
     const bool is_bytes = view_.itemsize == 1 &&
                           (std::strcmp(fmt, "B") == 0 || std::strcmp(fmt, "=B") == 0 ||
                            std::strcmp(fmt, "<B") == 0 || std::strcmp(fmt, "|B") == 0);
@@ -241,6 +241,29 @@ void engine_allgatherv(kd::ShmEngine& engine, nb::handle send_obj, nb::handle re
   engine.allgatherv(send.data(), send.size(), recv.data(), counts_bytes, text);
 }
 
+void engine_check_allreduce(kd::ShmEngine& engine, size_t nbytes, int dtype_code, int op_code,
+                            nb::handle name) {
+  const kd::DType dtype = check_dtype(dtype_code);
+  const kd::Op op = check_op(op_code);
+  element_count(nbytes, dtype_code, "nbytes");
+  const std::string_view text = name_text(name);
+  nb::gil_scoped_release release;
+  engine.check_allreduce(nbytes, dtype, op, text);
+}
+
+void engine_check_broadcast(kd::ShmEngine& engine, size_t nbytes, int root, nb::handle name) {
+  const std::string_view text = name_text(name);
+  nb::gil_scoped_release release;
+  engine.check_broadcast(nbytes, root, text);
+}
+
+void engine_check_allgatherv(kd::ShmEngine& engine, std::vector<uint64_t> counts_bytes,
+                             nb::handle name) {
+  const std::string_view text = name_text(name);
+  nb::gil_scoped_release release;
+  engine.check_allgatherv(counts_bytes, text);
+}
+
 nb::object engine_scratch(nb::handle self, size_t nbytes) {
   kd::ShmEngine& engine = nb::cast<kd::ShmEngine&>(self);
   uint8_t* ptr = engine.scratch(nbytes);
@@ -293,9 +316,25 @@ NB_MODULE(_native, m) {
       .def("attach", &kd::ShmEngine::attach, nb::call_guard<nb::gil_scoped_release>(),
            "Collective: waits for every local rank, then local rank 0 unlinks the name.")
       .def("unlink", &kd::ShmEngine::unlink, "Removes the segment's name (local rank 0).")
-      .def("abort_mismatch", &kd::ShmEngine::abort_mismatch, nb::arg("message"),
-           "Ends the engine: every local rank's current or next collective raises "
-           "CollectiveMismatchError(message).")
+      .def("leave", &kd::ShmEngine::leave,
+           "Marks this rank as gone from the group: a peer waiting for it, or starting a "
+           "collective after it, raises PeerFailureError naming it. Idempotent.")
+      .def("check_allreduce", &engine_check_allreduce, nb::arg("nbytes"), nb::arg("dtype"),
+           nb::arg("op"), nb::arg("name") = nb::none(),
+           "Header-only step: raises CollectiveMismatchError on every local rank if they "
+           "disagree on this allreduce; moves no data.")
+      .def("check_broadcast", &engine_check_broadcast, nb::arg("nbytes"), nb::arg("root"),
+           nb::arg("name") = nb::none(), "Header-only step for a broadcast (see check_allreduce).")
+      .def("check_allgatherv", &engine_check_allgatherv, nb::arg("counts_bytes"),
+           nb::arg("name") = nb::none(), "Header-only step for an allgatherv (see check_allreduce).")
+      .def("check_barrier", &kd::ShmEngine::check_barrier,
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Header-only step for a barrier (see check_allreduce).")
+      .def("raise_mismatch", &kd::ShmEngine::raise_mismatch, nb::arg("message"),
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Takes the place of this rank's next collective: every local rank raises "
+           "CollectiveMismatchError with the first non-empty message given; the engine "
+           "stays usable.")
       .def("allreduce", &engine_allreduce, nb::arg("buf"), nb::arg("dtype"), nb::arg("op"),
            nb::arg("name") = nb::none(), nb::arg("send") = nb::none(),
            "Reduces `buf` in place across local ranks, or `send` into `buf` when given.")

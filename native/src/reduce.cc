@@ -103,6 +103,18 @@ template <>
 struct Wide<uint8_t> {
   using type = uint32_t;
 };
+template <>
+struct Wide<int8_t> {
+  using type = uint32_t;
+};
+template <>
+struct Wide<int16_t> {
+  using type = uint32_t;
+};
+template <>
+struct Wide<uint16_t> {
+  using type = uint32_t;
+};
 
 template <Op op, class T>
 KD_INLINE T combine(T a, T b) {
@@ -274,14 +286,16 @@ KD_AVX2 void bf16_avx2(void* dst, const void* const* srcs, size_t nsrcs, size_t 
 const Kernel kBaseline[kNumDTypes][kNumOps] = {
     KD_ROW(half_base, false,), KD_ROW(half_base, true,),  KD_ROW(native_base, float,),
     KD_ROW(native_base, double,), KD_ROW(native_base, int32_t,), KD_ROW(native_base, int64_t,),
-    KD_ROW(native_base, uint8_t,),
+    KD_ROW(native_base, uint8_t,), KD_ROW(native_base, int8_t,), KD_ROW(native_base, int16_t,),
+    KD_ROW(native_base, uint16_t,),
 };
 
 #if KD_X86
 const Kernel kAvx2[kNumDTypes][kNumOps] = {
     KD_ROW(f16_avx2, ), KD_ROW(bf16_avx2, ), KD_ROW(native_avx2, float,),
     KD_ROW(native_avx2, double,), KD_ROW(native_avx2, int32_t,), KD_ROW(native_avx2, int64_t,),
-    KD_ROW(native_avx2, uint8_t,),
+    KD_ROW(native_avx2, uint8_t,), KD_ROW(native_avx2, int8_t,), KD_ROW(native_avx2, int16_t,),
+    KD_ROW(native_avx2, uint16_t,),
 };
 
 bool cpu_has_avx2() {
@@ -305,13 +319,14 @@ const Kernel (*kernel_table())[kNumOps] {
 }  // namespace
 
 size_t dtype_size(int code) {
-  static const size_t sizes[kNumDTypes] = {2, 2, 4, 8, 4, 8, 1};
+  static const size_t sizes[kNumDTypes] = {2, 2, 4, 8, 4, 8, 1, 1, 2, 2};
   return valid_dtype(code) ? sizes[code] : 0;
 }
 
 const char* dtype_name(int code) {
   static const char* names[kNumDTypes] = {"float16", "bfloat16", "float32", "float64",
-                                          "int32",   "int64",    "uint8"};
+                                          "int32",   "int64",    "uint8",   "int8",
+                                          "int16",   "uint16"};
   return valid_dtype(code) ? names[code] : "unknown";
 }
 

@@ -1,6 +1,6 @@
 // Element-wise reduction kernels shared by every transport.
 //
-// The integer codes match keras_dist/_dtypes.py; keep the two in step.
+// The integer codes match keras_dist/_vocab.py; keep the two in step.
 #pragma once
 
 #include <cstddef>
@@ -16,8 +16,11 @@ enum class DType : int {
   kInt32 = 4,
   kInt64 = 5,
   kUInt8 = 6,
+  kInt8 = 7,
+  kInt16 = 8,
+  kUInt16 = 9,
 };
-constexpr int kNumDTypes = 7;
+constexpr int kNumDTypes = 10;
 
 enum class Op : int { kSum = 0, kMin = 1, kMax = 2, kProduct = 3 };
 constexpr int kNumOps = 4;

@@ -9,7 +9,17 @@
 // * Each collective begins by writing a header (kind, op, dtype, bytes, name
 //   hash, root) into one of two header lines (alternating per collective); after
 //   the first wait every rank compares all headers, so a mismatch raises on
-//   every rank before any data is exchanged, and leaves the engine usable.
+//   every rank before any data is exchanged, and leaves the engine usable:
+//   every collective publishes exactly one step before that comparison, so
+//   the step counters stay aligned, and a header line is rewritten only two
+//   collectives later, after every rank has passed the next one's first wait
+//   (and so has read this one's headers).
+// * A verdict reached outside the engine takes the place of a collective: a
+//   rank publishes a "verdict" header carrying the message, and the header
+//   comparison makes every rank raise it (raise_mismatch).
+// * A rank that closes the engine marks itself as having left the group
+//   (leave); a peer that waits for it, or begins a collective after that,
+//   raises PeerFailureError at once instead of waiting forever.
 // * Waits spin, then yield, then block in a futex (wait_timings.h has the
 //   durations); every kLivenessSeconds they check that the awaited peers are
 //   alive and that no rank has aborted, warn after stall_seconds and raise
@@ -84,7 +94,7 @@ const char* path_name(uint32_t path) {
   }
 }
 
-enum Kind : uint32_t { kAttach = 1, kBarrier, kAllreduce, kBroadcast, kAllgatherv };
+enum Kind : uint32_t { kAttach = 1, kBarrier, kAllreduce, kBroadcast, kAllgatherv, kVerdict };
 constexpr uint32_t kNone = 0xffffffffu;
 
 const char* kind_name(uint32_t kind) {
@@ -94,6 +104,7 @@ const char* kind_name(uint32_t kind) {
     case kAllreduce: return "allreduce";
     case kBroadcast: return "broadcast";
     case kAllgatherv: return "allgather";
+    case kVerdict: return "mismatch verdict";
     default: return "unknown collective";
   }
 }
@@ -158,6 +169,8 @@ struct ShmEngine::Header {
   uint32_t path;      // Path; compared like the fields above
   uint32_t name_len;  // bytes of `name` kept (a prefix of the caller's name)
   char name[128];
+  uint32_t note_len;  // kVerdict: bytes of `note`, the mismatch message (0: none)
+  char note[1020];
 };
 
 // Written once, at attach: can this rank read its peers' memory?
@@ -171,6 +184,7 @@ struct ShmEngine::Probe {
 
 struct ShmEngine::RankCtl {
   alignas(kLine) std::atomic<uint64_t> step;
+  std::atomic<uint32_t> left;  // 1 once the rank has left the group (leave())
   alignas(kLine) Header hdr[2];
   alignas(kLine) Probe probe;
 };
@@ -182,7 +196,6 @@ struct SegmentLayout {
   uint64_t half_bytes;
   alignas(kLine) std::atomic<uint32_t> sleepers;  // ranks blocked in futex_wait
   alignas(kLine) std::atomic<int32_t> abort_rank;  // -1: none
-  int32_t abort_is_mismatch;                        // the reason is a mismatch message
   char abort_reason[1024];
 };
 
@@ -289,6 +302,7 @@ ShmEngine::ShmEngine(const EngineOptions& options, EngineHooks hooks)
 }
 
 ShmEngine::~ShmEngine() {
+  if (base_) leave();
   if (opt_.create && !unlinked_) shm_unlink(opt_.name.c_str());
   if (base_) munmap(base_, map_bytes_);
   if (fd_ >= 0) close(fd_);
@@ -340,33 +354,50 @@ void ShmEngine::ensure_usable() {
   }
 }
 
-void ShmEngine::fail(const char* reason, bool mismatch) {
+void ShmEngine::fail(const char* reason) {
   broken_ = true;
   auto* seg = reinterpret_cast<SegmentLayout*>(base_);
   int32_t expected = -1;
   if (seg->abort_rank.compare_exchange_strong(expected, -2, std::memory_order_acq_rel)) {
     std::snprintf(seg->abort_reason, sizeof(seg->abort_reason), "%s", reason);
-    seg->abort_is_mismatch = mismatch ? 1 : 0;
     seg->abort_rank.store(me_, std::memory_order_release);
   }
-}
-
-void ShmEngine::abort_mismatch(const std::string& message) {
-  ensure_usable();
-  fail(message.c_str(), true);
 }
 
 void ShmEngine::raise_aborted(int32_t rank, const std::string& where) {
   broken_ = true;
   const auto* seg = reinterpret_cast<const SegmentLayout*>(base_);
-  if (seg->abort_is_mismatch) throw MismatchError(seg->abort_reason);
   throw PeerFailureError(where + ": " + rank_label(rank) + " aborted: " + seg->abort_reason);
+}
+
+void ShmEngine::leave() {
+  if (!base_ || left_) return;
+  left_ = true;
+  std::atomic<uint64_t>& step = ctl(me_)->step;
+  ctl(me_)->left.store(1, std::memory_order_seq_cst);
+  // Peers blocked on this rank's step word wake up and see the flag.
+  if (reinterpret_cast<SegmentLayout*>(base_)->sleepers.load(std::memory_order_seq_cst) != 0) {
+    futex_wake_all(step);
+  }
+}
+
+void ShmEngine::check_departed(int p, const std::string& where) const {
+  if (p == me_ || ctl(p)->left.load(std::memory_order_acquire) == 0) return;
+  throw PeerFailureError(where + ": " + rank_label(p) +
+                         " has shut down keras_dist (left the group) while " +
+                         rank_label(me_) + " waits in this collective");
 }
 
 void ShmEngine::begin(uint32_t kind, uint32_t op, uint32_t dtype, int32_t root, uint64_t nbytes,
                       std::string_view name, uint64_t extra_hash) {
   ensure_usable();
+  if (left_) throw TransportError("shm: " + rank_label(me_) + " has left the group");
   auto* seg = reinterpret_cast<SegmentLayout*>(base_);
+  for (int p = 0; p < n_; ++p) {
+    if (p != me_ && ctl(p)->left.load(std::memory_order_acquire) != 0) {
+      check_departed(p, "shm " + std::string(kind_name(kind)) + " on " + rank_label(me_));
+    }
+  }
   const int32_t aborted = seg->abort_rank.load(std::memory_order_acquire);
   if (aborted >= 0) {
     raise_aborted(aborted, "shm " + std::string(kind_name(kind)) + " on " + rank_label(me_));
@@ -384,7 +415,60 @@ void ShmEngine::begin(uint32_t kind, uint32_t op, uint32_t dtype, int32_t root, 
   h.path = kSmall;
   h.name_len = uint32_t(std::min(name.size(), sizeof(h.name)));
   std::memcpy(h.name, name.data(), h.name_len);
+  h.note_len = 0;
   ++coll_;
+}
+
+void ShmEngine::begin_allreduce(size_t nbytes, DType dtype, Op op, std::string_view name) {
+  begin(kAllreduce, uint32_t(op), uint32_t(dtype), -1, nbytes, name);
+}
+
+void ShmEngine::begin_broadcast(size_t nbytes, int root, std::string_view name) {
+  begin(kBroadcast, kNone, kNone, root, nbytes, name);
+}
+
+void ShmEngine::begin_allgatherv(const std::vector<uint64_t>& counts_bytes,
+                                 std::string_view name) {
+  uint64_t total = 0;
+  for (uint64_t c : counts_bytes) total += c;
+  begin(kAllgatherv, kNone, kNone, -1, total, name, hash_counts(counts_bytes));
+}
+
+void ShmEngine::header_step() {
+  if (n_ == 1) return;
+  publish();
+  wait_all();
+  check_headers();
+}
+
+void ShmEngine::check_allreduce(size_t nbytes, DType dtype, Op op, std::string_view name) {
+  begin_allreduce(nbytes, dtype, op, name);
+  header_step();
+}
+
+void ShmEngine::check_broadcast(size_t nbytes, int root, std::string_view name) {
+  begin_broadcast(nbytes, root, name);
+  header_step();
+}
+
+void ShmEngine::check_allgatherv(const std::vector<uint64_t>& counts_bytes,
+                                 std::string_view name) {
+  begin_allgatherv(counts_bytes, name);
+  header_step();
+}
+
+void ShmEngine::check_barrier() {
+  begin(kBarrier, kNone, kNone, -1, 0, {});
+  header_step();
+}
+
+void ShmEngine::raise_mismatch(const std::string& message) {
+  begin(kVerdict, kNone, kNone, -1, 0, {});
+  Header& h = ctl(me_)->hdr[(coll_ - 1) & 1];
+  h.note_len = uint32_t(std::min(message.size(), sizeof(h.note)));
+  std::memcpy(h.note, message.data(), h.note_len);
+  header_step();    // raises: this rank's header is a verdict
+  throw MismatchError(message);  // one local rank
 }
 
 void ShmEngine::publish() {
@@ -449,6 +533,8 @@ void ShmEngine::wait_all() {
           seg->sleepers.fetch_sub(1, std::memory_order_seq_cst);
         }
       }
+      for (int p = 0; p < n_; ++p)
+        if (!arrived(p)) check_departed(p, current_collective());
       const int32_t aborted = seg->abort_rank.load(std::memory_order_acquire);
       if (aborted >= 0 && aborted != me_) raise_aborted(aborted, current_collective());
       const double t = now_seconds();
@@ -516,6 +602,21 @@ void ShmEngine::check_headers() {
     differ[4] |= h.name_hash != mine.name_hash;
     differ[5] |= h.root != mine.root;
     differ[6] |= h.path != mine.path;
+  }
+  if (differ[0] || mine.kind == kVerdict) {
+    // A verdict reached outside the engine replaces this collective: every
+    // rank raises the first message given.
+    bool verdict = false;
+    for (int p = 0; p < n_; ++p) {
+      const Header& h = ctl(p)->hdr[which];
+      if (h.kind != kVerdict) continue;
+      verdict = true;
+      if (h.note_len) throw MismatchError(std::string(h.note, h.note_len));
+    }
+    if (verdict) {
+      throw MismatchError(std::string(kind_name(mine.kind)) + " #" + std::to_string(mine.coll) +
+                          " mismatch: a rank gave up this collective without saying why");
+    }
   }
   if (!std::any_of(std::begin(differ), std::end(differ), [](bool d) { return d; })) return;
   std::ostringstream msg;
@@ -670,13 +771,7 @@ void ShmEngine::unlink() {
   }
 }
 
-void ShmEngine::barrier() {
-  begin(kBarrier, kNone, kNone, -1, 0, {});
-  if (n_ == 1) return;
-  publish();
-  wait_all();
-  check_headers();
-}
+void ShmEngine::barrier() { check_barrier(); }
 
 void ShmEngine::allreduce(void* buf, size_t nbytes, DType dtype, Op op, std::string_view name,
                           const void* send) {
@@ -693,7 +788,7 @@ void ShmEngine::allreduce(void* buf, size_t nbytes, DType dtype, Op op, std::str
   if (from != bytes && nbytes && from < bytes + nbytes && bytes < from + nbytes) {
     throw std::invalid_argument("allreduce: `send` and `buf` must be the same or not overlap");
   }
-  begin(kAllreduce, uint32_t(op), uint32_t(dtype), -1, nbytes, name);
+  begin_allreduce(nbytes, dtype, op, name);
   if (n_ == 1) {
     if (from != bytes && nbytes) std::memcpy(bytes, from, nbytes);
     return;
@@ -815,7 +910,7 @@ void ShmEngine::broadcast(void* buf, size_t nbytes, int root, std::string_view n
     throw std::invalid_argument("broadcast: `root` must be in [0, local_size). Received: root=" +
                                 std::to_string(root) + " (local_size=" + std::to_string(n_) + ")");
   }
-  begin(kBroadcast, kNone, kNone, root, nbytes, name);
+  begin_broadcast(nbytes, root, name);
   if (n_ == 1) return;
   // Always through the slots: the root's copy into its slot overlaps the
   // others' copies out of it, which reading the root's buffer directly (one
@@ -865,7 +960,7 @@ void ShmEngine::allgatherv(const void* send, size_t send_bytes, void* recv,
   if (overlaps_slot(recv, total)) {
     throw std::invalid_argument("allgatherv: `recv` must not be a scratch() buffer");
   }
-  begin(kAllgatherv, kNone, kNone, -1, total, name, hash_counts(counts_bytes));
+  begin_allgatherv(counts_bytes, name);
   uint8_t* out = static_cast<uint8_t*>(recv);
   if (n_ == 1) {
     if (send_bytes) std::memmove(out, send, send_bytes);

@@ -72,10 +72,25 @@ class ShmEngine {
   void attach();
   // Removes the name if it still exists (local rank 0; idempotent).
   void unlink();
-  // Ends the engine for every local rank: their current or next collective
-  // raises MismatchError(message). For mismatches found outside the engine
-  // (between machines); this rank raises its own error.
-  void abort_mismatch(const std::string& message);
+  // Marks this rank as gone from the group (idempotent; the destructor does it
+  // too): a peer that waits for it, or starts a collective after it, raises
+  // PeerFailureError naming it instead of waiting. No collective may follow.
+  void leave();
+
+  // Header-only steps: each compares this call with the local ranks' calls
+  // exactly as the collective of that name does first (and raises the same
+  // MismatchError on every local rank), without moving data. A transport that
+  // must learn a verdict before any data moves (hierarchical: machines agree
+  // first) runs one, then the collective itself.
+  void check_allreduce(size_t nbytes, DType dtype, Op op, std::string_view name = {});
+  void check_broadcast(size_t nbytes, int root, std::string_view name = {});
+  void check_allgatherv(const std::vector<uint64_t>& counts_bytes, std::string_view name = {});
+  void check_barrier();
+  // Takes the place of this rank's next collective (any kind) and makes every
+  // local rank raise MismatchError for it, with the first non-empty `message`
+  // any of them gave. The engine stays usable: a verdict reached outside the
+  // engine (between machines) reaches every local rank this way.
+  [[noreturn]] void raise_mismatch(const std::string& message);
 
   // `name` (optional) is part of what ranks must agree on; mismatch errors quote it.
   // `send` (optional, nbytes like `buf`) makes the allreduce out of place.
@@ -109,11 +124,19 @@ class ShmEngine {
 
   void begin(uint32_t kind, uint32_t op, uint32_t dtype, int32_t root, uint64_t nbytes,
              std::string_view name, uint64_t extra_hash = 0);
+  // The header of each collective (begin() with its fields).
+  void begin_allreduce(size_t nbytes, DType dtype, Op op, std::string_view name);
+  void begin_broadcast(size_t nbytes, int root, std::string_view name);
+  void begin_allgatherv(const std::vector<uint64_t>& counts_bytes, std::string_view name);
+  // The first step alone: publish the header, wait, compare.
+  void header_step();
+  // Raises PeerFailureError if local rank p has left the group (leave()).
+  void check_departed(int p, const std::string& where) const;
   void publish();
   void wait_all();
   void check_headers();
   // Poisons the segment: every rank's current or next wait raises.
-  void fail(const char* reason, bool mismatch = false);
+  void fail(const char* reason);
   [[noreturn]] void raise_aborted(int32_t rank, const std::string& where);
   void ensure_usable();
   std::string describe_missing(const std::vector<int>& missing) const;
@@ -145,6 +168,7 @@ class ShmEngine {
   size_t data_offset_ = 0;
   bool unlinked_ = false;
   bool broken_ = false;
+  bool left_ = false;
   uint64_t step_ = 0;   // last step this rank published
   uint64_t coll_ = 0;   // collectives begun so far
   int next_buf_ = 0;    // data buffer the next write uses

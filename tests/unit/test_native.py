@@ -20,6 +20,9 @@ DTYPES = {
     _dtypes.INT32: np.dtype(np.int32),
     _dtypes.INT64: np.dtype(np.int64),
     _dtypes.UINT8: np.dtype(np.uint8),
+    _dtypes.INT8: np.dtype(np.int8),
+    _dtypes.INT16: np.dtype(np.int16),
+    _dtypes.UINT16: np.dtype(np.uint16),
 }
 OPS = {
     _dtypes.SUM: np.add,
@@ -53,7 +56,8 @@ def random_array(rng, dtype, size, op):
 
 def reference(sources, dtype, op):
     """Left-to-right combination; half types in float32, rounded once."""
-    acc_dtype = np.float32 if dtype.itemsize == 2 and dtype.kind != "i" else dtype
+    half = dtype.itemsize == 2 and dtype.kind not in "iu"
+    acc_dtype = np.float32 if half else dtype
     acc = sources[0].astype(acc_dtype)
     with np.errstate(over="ignore"):
         for src in sources[1:]:
@@ -156,7 +160,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="whole float32 elements"):
         _native.reduce_inplace(u8[:6], u8[:6], _dtypes.FLOAT32, _dtypes.SUM)
     with pytest.raises(ValueError, match="dtype code"):
-        _native.reduce_inplace(u8, u8, 7, _dtypes.SUM)
+        _native.reduce_inplace(u8, u8, max(DTYPES) + 1, _dtypes.SUM)
     with pytest.raises(ValueError, match="op code"):
         _native.reduce_inplace(u8, u8, _dtypes.FLOAT32, 4)
     readonly = u8.copy()
