@@ -7,13 +7,16 @@ the topology says which can serve.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from keras_dist._config import Config
 from keras_dist.errors import TransportError
 from keras_dist.transports.base import Transport
 
 
-def cpu_transport(config: Config, comm, local_comm, cross_comm) -> Transport:
-    """The CPU data plane for a group (``KERAS_DIST_CPU_OPERATIONS``).
+def cpu_transport(config: Config, comm, local_comm, cross_comm, *,
+                  rank_names: Sequence[int] | None = None) -> Transport:
+    """The CPU data plane for a group (``KERAS_DIST_CPU_OPERATIONS``), able to ``join``.
 
     ``shm``: the shm transport when the group runs on one machine, the
     hierarchical one (shm inside each machine, MPI among them) when it spans
@@ -26,6 +29,9 @@ def cpu_transport(config: Config, comm, local_comm, cross_comm) -> Transport:
         comm: the group's communicator (its ranks are the transport's).
         local_comm: the ranks on this machine.
         cross_comm: the ranks with this rank's local rank, one per machine.
+        rank_names: what messages call each rank of ``comm`` (its job rank,
+            for a process set); defaults to its rank in ``comm``. The shm and
+            MPI transports use them.
 
     Raises:
         TransportError: ``shm`` was asked for and the native extension is missing.
@@ -34,6 +40,15 @@ def cpu_transport(config: Config, comm, local_comm, cross_comm) -> Transport:
         from keras_dist.transports.local import LocalTransport
 
         return LocalTransport()
+    from keras_dist.transports.joinable import JoinableTransport
+
+    return JoinableTransport(_cpu_data_plane(config, comm, local_comm, cross_comm, rank_names),
+                             comm.Get_rank(), comm.Get_size())
+
+
+def _cpu_data_plane(config: Config, comm, local_comm, cross_comm,
+                    rank_names: Sequence[int] | None) -> Transport:
+    """The transport ``cpu_transport`` wraps: the choice it describes."""
     want = config.cpu_operations
     if want == "auto":
         everyone = comm.allgather((local_comm.Get_size(), native_available()))
@@ -42,7 +57,7 @@ def cpu_transport(config: Config, comm, local_comm, cross_comm) -> Transport:
     if want == "mpi":
         from keras_dist.transports.mpi import MpiTransport
 
-        return MpiTransport(comm, local_comm, config)
+        return MpiTransport(comm, local_comm, config, rank_names=rank_names)
     if not native_available():
         raise TransportError(
             "KERAS_DIST_CPU_OPERATIONS=shm needs the native extension keras_dist._native, "
@@ -51,7 +66,7 @@ def cpu_transport(config: Config, comm, local_comm, cross_comm) -> Transport:
     if local_comm.Get_size() == comm.Get_size():
         from keras_dist.transports.shm import ShmTransport
 
-        return ShmTransport(comm, config)
+        return ShmTransport(comm, config, group_ranks=rank_names)
     from keras_dist.transports.hierarchical import HierarchicalTransport
 
     return HierarchicalTransport(comm, local_comm, cross_comm, config)
