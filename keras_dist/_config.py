@@ -43,6 +43,12 @@ def _int(name: str, default: int | None, alias: str | None = None) -> int | None
     return int(number)
 
 
+def _flag(name: str, default: bool, alias: str | None = None) -> bool:
+    """A switch: a whole number (nonzero is on), as Horovod reads its switches."""
+    number = _int(name, None, alias)
+    return default if number is None else number != 0
+
+
 def _choice(name: str, choices: tuple[str, ...], default: str, alias: str | None = None) -> str:
     found = _raw(name, alias)
     if found is None:
@@ -82,6 +88,8 @@ class Config:
     shm_single_copy_bytes: int = _MIB
     #: Job identifier (set by kdrun); scopes shared-memory names.
     job_id: str | None = None
+    #: Whether process sets may be added and removed after ``init()``.
+    dynamic_process_sets: bool = False
 
     @classmethod
     def from_env(cls) -> Config:
@@ -108,4 +116,7 @@ class Config:
             shm_single_copy=_choice("KERAS_DIST_SHM_SINGLE_COPY", ("auto", "off"), "auto"),
             shm_single_copy_bytes=_int("KERAS_DIST_SHM_SINGLE_COPY_BYTES", _MIB),
             job_id=(_raw("KERAS_DIST_JOB_ID") or (None, None))[1],
+            dynamic_process_sets=_flag(
+                "KERAS_DIST_DYNAMIC_PROCESS_SETS", False, "HOROVOD_DYNAMIC_PROCESS_SETS"
+            ),
         )

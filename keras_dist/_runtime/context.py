@@ -17,8 +17,14 @@ from keras_dist.errors import NotInitializedError
 
 @dataclasses.dataclass
 class Group:
+    """Ranks that run collectives together: the job, or one process set.
+
+    ``rank``, ``size`` and the machine layout are the group's own (a process
+    set's rank 0 is its lowest job rank); ``ranks`` maps them back to the job.
+    """
+
     config: Config
-    comm: object  # mpi4py communicator (a private duplicate), or None at size 1
+    comm: object  # mpi4py communicator private to keras_dist
     local_comm: object
     cross_comm: object
     rank: int
@@ -28,7 +34,37 @@ class Group:
     cross_rank: int
     cross_size: int
     transport: object  # transports.base.Transport: the CPU data plane
+    #: The job rank of each rank of the group, in group order.
+    ranks: tuple[int, ...]
+    #: 0 for the job, else the id of the process set the group serves.
+    process_set_id: int = 0
     gpu_transport: object | None = None  # the NCCL transport, made on first use
+    #: On the job's group: the registered process sets by id (0, the job, excluded).
+    process_sets: dict[int, RegisteredSet] = dataclasses.field(default_factory=dict)
+    #: Whether every machine of the job runs the same number of ranks.
+    homogeneous: bool = True
+
+    def close(self) -> None:
+        """Closes the group's transports and frees its communicators.
+
+        Collective over the group (freeing an MPI communicator is).
+        """
+        for transport in (self.gpu_transport, self.transport):
+            if transport is not None:
+                transport.close()
+        self.gpu_transport = None
+        for comm in (self.cross_comm, self.local_comm, self.comm):
+            comm.Free()
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisteredSet:
+    """A process set as the job knows it."""
+
+    #: Its job ranks, ascending.
+    ranks: tuple[int, ...]
+    #: This rank's group for the set; None where this rank is not a member.
+    group: Group | None
 
 
 _group: Group | None = None
@@ -61,7 +97,11 @@ def group_for(process_set=None) -> Group:
     group = get()
     if process_set is None:
         return group
-    return process_set._resolve(group)
+    resolve = getattr(process_set, "_resolve", None)
+    if resolve is None:
+        raise ValueError("`process_set` must be a keras_dist.ProcessSet. "
+                         f"Received: {process_set!r}")
+    return resolve(group)
 
 
 def is_initialized() -> bool:
@@ -85,7 +125,8 @@ def topology(comm, config: Config) -> dict:
         local_comm = machine
     local_rank, local_size = local_comm.Get_rank(), local_comm.Get_size()
     cross_comm = comm.Split(color=local_rank, key=rank)
-    return dict(
+    homogeneous = len(set(comm.allgather(local_size))) == 1
+    return dict(homogeneous=homogeneous,
         comm=comm, local_comm=local_comm, cross_comm=cross_comm, rank=rank, size=size,
         local_rank=local_rank, local_size=local_size, cross_rank=cross_comm.Get_rank(),
         cross_size=cross_comm.Get_size(),
