@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from keras_dist import _vocab
-from keras_dist._keras.gradients import GradientReduction, check_groups
-from keras_dist._runtime import context
+from keras_dist._keras.gradients import GradientReduction, check_groups, check_local_layers
 from keras_dist.tensor.compression import Compression
+from keras_dist.tensor.conversions import not_converted_by_autograph
 
 
 class DistributedGradientTape:
@@ -32,6 +32,8 @@ class DistributedGradientTape:
         groups: a whole number ``k`` (the gradients split into ``k``
             allreduces of consecutive gradients) or a list of lists of
             variables (each list one allreduce; variables in no list one each).
+        process_set: the ranks to reduce over (default: every rank); on a
+            rank outside the set the gradients stay its own.
         scale_local_gradients: divide local sources' gradients by the size.
 
     Example:
@@ -47,7 +49,8 @@ class DistributedGradientTape:
 
     def __init__(self, tape, *, op=_vocab.Average, compression=Compression.none,
                  sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
-                 num_groups: int = 0, groups=None, scale_local_gradients: bool = True):
+                 num_groups: int = 0, groups=None, process_set=None,
+                 scale_local_gradients: bool = True):
         if isinstance(tape, DistributedGradientTape):
             raise ValueError("`tape` must not already be a DistributedGradientTape. "
                              f"Received: tape={tape!r}")
@@ -57,8 +60,8 @@ class DistributedGradientTape:
         self._reduction = GradientReduction(
             op=op, compression=compression, sparse_as_dense=bool(sparse_as_dense),
             gradient_predivide_factor=float(gradient_predivide_factor),
-            groups=check_groups(groups, num_groups))
-        self.scale_local_gradients = bool(scale_local_gradients)
+            groups=check_groups(groups, num_groups), process_set=process_set,
+            scale_local_gradients=bool(scale_local_gradients))
         self._local_sources: set[int] = set()
 
     def __getattr__(self, name):
@@ -76,6 +79,7 @@ class DistributedGradientTape:
         """Marks ``source`` as local to this rank: its gradient is not reduced."""
         self._local_sources.add(id(source))
 
+    @not_converted_by_autograph
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         """The tape's gradients of ``target`` w.r.t. ``sources``, reduced across ranks.
 
@@ -87,18 +91,8 @@ class DistributedGradientTape:
         gradients = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(gradients, expand_composites=False)
-        size = context.get().size
-        shared = [i for i, s in enumerate(flat_sources) if id(s) not in self._local_sources]
-        reduced = self._reduction.reduce(
-            [flat_grads[i] for i in shared], [flat_sources[i] for i in shared], size)
-        result = list(flat_grads)
-        for index, grad in zip(shared, reduced):
-            result[index] = grad
-        if self.scale_local_gradients and size > 1:
-            for index, source in enumerate(flat_sources):
-                if id(source) in self._local_sources and result[index] is not None:
-                    result[index] = _divide(result[index], size)
-        return tf.nest.pack_sequence_as(gradients, result)
+        reduced = self._reduction.reduce(flat_grads, flat_sources, self._local_sources)
+        return tf.nest.pack_sequence_as(gradients, reduced)
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None):
         """``(local, global)`` lists of ``(source, gradient)`` pairs, as Horovod returns."""
@@ -107,15 +101,6 @@ class DistributedGradientTape:
         for source, grad in zip(sources, grads):
             (local if id(source) in self._local_sources else shared).append((source, grad))
         return local, shared
-
-
-def _divide(grad, size: int):
-    import tensorflow as tf
-
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values / tf.cast(size, grad.values.dtype), grad.indices,
-                                grad.dense_shape)
-    return grad / tf.cast(size, grad.dtype)
 
 
 def PartialDistributedGradientTape(tape, *, local_layers=None, **kwargs):  # noqa: N802
@@ -127,15 +112,7 @@ def PartialDistributedGradientTape(tape, *, local_layers=None, **kwargs):  # noq
             keep their own gradients on each rank.
         **kwargs: as for ``DistributedGradientTape``.
     """
-    import keras
-
-    if local_layers is None:
-        local_layers = []
-    elif isinstance(local_layers, keras.layers.Layer):
-        local_layers = [local_layers]
-    if not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
-        raise ValueError("`local_layers` must be Keras layers. Received: "
-                         f"{[type(layer).__name__ for layer in local_layers]}")
+    local_layers = check_local_layers(local_layers)
     wrapped = DistributedGradientTape(tape, **kwargs)
     for layer in local_layers:
         for variable in layer.trainable_weights:

@@ -10,9 +10,10 @@ their values and indices, unless ``sparse_as_dense``. ``None`` gradients
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from keras_dist import _vocab
+from keras_dist._runtime import context
 from keras_dist.tensor import ops as kd_ops
 from keras_dist.tensor.compression import Compression
 
@@ -90,15 +91,49 @@ def _partition(indices: list[int], variables: Sequence | None, groups) -> list[l
     return runs
 
 
+def check_local_layers(local_layers) -> list:
+    """Validates ``local_layers`` (a Keras layer, a list of them, or None)."""
+    import keras
+
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, keras.layers.Layer):
+        return [local_layers]
+    local_layers = list(local_layers)
+    if not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError("`local_layers` must be a Keras layer or a list of Keras layers. "
+                         f"Received: {[type(layer).__name__ for layer in local_layers]}")
+    return local_layers
+
+
+def divide(grad, divisor: float):
+    """``grad / divisor``, an ``IndexedSlices`` staying sparse."""
+    if is_indexed_slices(grad):
+        import tensorflow as tf
+
+        return tf.IndexedSlices(grad.values / float(divisor), grad.indices, grad.dense_shape)
+    return grad / float(divisor)
+
+
 @dataclasses.dataclass(frozen=True)
 class GradientReduction:
-    """How a step's gradients are reduced (the options both wrappers share)."""
+    """How a step's gradients are reduced (the options both wrappers share).
+
+    ``process_set`` (None: every rank) is the set the gradients are reduced
+    over; on a rank outside it they stay this rank's own. Gradients of local
+    variables (see ``reduce``) are not communicated; with
+    ``scale_local_gradients`` they are divided by the number of ranks of the
+    set, so that the sum over ranks of an update is of the same size for
+    local and shared variables.
+    """
 
     op: _vocab.ReduceOp = _vocab.Average
     compression: type = Compression.none
     sparse_as_dense: bool = False
     gradient_predivide_factor: float = 1.0
     groups: object = None  # None, a whole number >= 1, or lists of variables
+    process_set: object = None
+    scale_local_gradients: bool = True
 
     def __post_init__(self) -> None:
         kd_ops._check_op(self.op)
@@ -114,23 +149,53 @@ class GradientReduction:
                 "`gradient_predivide_factor` needs op=keras_dist.Average. Received: "
                 f"op={self.op}, gradient_predivide_factor={self.gradient_predivide_factor}")
 
-    def reduce(self, grads: Sequence, variables: Sequence | None, size: int) -> list:
-        """``grads`` reduced across the ``size`` ranks, in their order.
+    def span(self) -> tuple[int, bool]:
+        """``(ranks in the reduction, whether this rank takes part)``."""
+        if self.process_set is None:
+            return context.get().size, True
+        size = self.process_set.size()
+        if size is None:
+            raise ValueError(
+                "`process_set` must be registered (by `keras_dist.init(process_sets=...)` "
+                f"or `keras_dist.add_process_set`) before use. Received: {self.process_set!r}")
+        return int(size), bool(self.process_set.included())
+
+    def reduce(self, grads: Sequence, variables: Sequence | None,
+               local: Collection[int] = ()) -> list:
+        """``grads`` reduced across the ranks, in their order.
 
         Args:
             grads: one gradient (or None) per variable, in an order every rank shares.
-            variables: the variables, or None when ``groups`` is not given as lists.
-            size: the number of ranks the reduction spans.
+            variables: the variables, or None when ``groups`` is not given as
+                lists and ``local`` is empty.
+            local: ``id``s of the variables whose gradients stay on this rank.
         """
+        size, included = self.span()
         reduced = list(grads)
-        if size == 1:
-            return reduced
+        local_positions = set()
+        if local:
+            local_positions = {i for i, v in enumerate(variables) if id(v) in local}
+        if size > 1 and included:
+            shared = [i for i in range(len(reduced)) if i not in local_positions]
+            results = self._reduce_shared(
+                [reduced[i] for i in shared],
+                None if variables is None else [variables[i] for i in shared], size)
+            for index, result in zip(shared, results):
+                reduced[index] = result
+        if self.scale_local_gradients and size > 1:
+            for index in local_positions:
+                if reduced[index] is not None:
+                    reduced[index] = divide(reduced[index], size)
+        return reduced
+
+    def _reduce_shared(self, grads: list, variables: list | None, size: int) -> list:
         op, prescale, postscale = self.op, 1.0, 1.0
         if self.op is _vocab.Average and self.gradient_predivide_factor != 1.0:
             # Sum, scaled by 1/f before and f/size after: an average split in two.
             op = _vocab.Sum
             prescale = 1.0 / self.gradient_predivide_factor
             postscale = self.gradient_predivide_factor / size
+        reduced = list(grads)
         dense, sparse = [], []
         for index, grad in enumerate(grads):
             if grad is None:
@@ -143,7 +208,8 @@ class GradientReduction:
         for run in _partition(dense, variables, self.groups):
             results = kd_ops.grouped_allreduce(
                 [reduced[i] for i in run], op=op, prescale_factor=prescale,
-                postscale_factor=postscale, compression=self.compression)
+                postscale_factor=postscale, compression=self.compression,
+                process_set=self.process_set)
             for index, result in zip(run, results):
                 reduced[index] = result
         for index in sparse:
@@ -157,9 +223,10 @@ class GradientReduction:
             raise ValueError(
                 "Sparse (IndexedSlices) gradients can be reduced with op=Average or Sum "
                 f"only; pass sparse_as_dense=True for other ops. Received: op={self.op}")
-        values, context = self.compression.compress(grad.values)
-        values = self.compression.decompress(kd_ops.allgather(values), context)
-        indices = kd_ops.allgather(grad.indices)
+        values, compressed = self.compression.compress(grad.values)
+        values = self.compression.decompress(
+            kd_ops.allgather(values, process_set=self.process_set), compressed)
+        indices = kd_ops.allgather(grad.indices, process_set=self.process_set)
         if self.op is _vocab.Average:
             values = values / tf.cast(size, values.dtype)
         return tf.IndexedSlices(values, indices, grad.dense_shape)

@@ -7,8 +7,12 @@ from keras import ops
 
 from keras_dist import _vocab
 from keras_dist._keras import compat
-from keras_dist._keras.gradients import GradientReduction, to_dense
-from keras_dist._runtime import context
+from keras_dist._keras.gradients import (
+    GradientReduction,
+    check_groups,
+    check_local_layers,
+    to_dense,
+)
 from keras_dist.tensor import ops as kd_ops
 
 _COMPRESSIONS = {"none": kd_ops.Compression.none, "fp16": kd_ops.Compression.fp16}
@@ -22,6 +26,40 @@ def _compression_name(compression) -> str:
         "`compression` must be keras_dist.Compression.none or keras_dist.Compression.fp16. "
         f"Received: compression={compression!r}"
     )
+
+
+def _accumulation(optimizer, passes, average) -> tuple[int, bool]:
+    """``(backward_passes_per_step, average_aggregated_gradients)`` in force.
+
+    A wrapped optimizer's own ``gradient_accumulation_steps`` is taken over
+    (and turned off on it): the wrapper accumulates, averages and
+    communicates once every that many steps, as Keras would apply.
+    """
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(
+            "`backward_passes_per_step` must be an integer >= 1. "
+            f"Received: backward_passes_per_step={passes!r}"
+        )
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if not steps:
+        return passes, bool(average)
+    if passes not in (1, steps):
+        raise ValueError(
+            "Pass `backward_passes_per_step` or the wrapped optimizer's "
+            "`gradient_accumulation_steps`, not both. Received: "
+            f"backward_passes_per_step={passes}, gradient_accumulation_steps={steps}"
+        )
+    optimizer.gradient_accumulation_steps = None
+    return steps, True
+
+
+class _LocalState:
+    """The wrapper's Python-only state, kept out of Keras's variable tracking."""
+
+    def __init__(self):
+        self.variables: set[int] = set()  # ids of registered local variables
+        self.layers: list = []  # local layers, their weights read at each step
+        self.pending: tuple | None = None  # gradients `compute_gradients` reduced
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -48,14 +86,26 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             (gradients travel as float16 and get their dtype back).
         backward_passes_per_step: gradients of this many steps are summed
             locally and communicated once; the wrapped optimizer applies them
-            every that many steps.
+            every that many steps. `iterations` still advances on every step,
+            as with Keras's own `gradient_accumulation_steps` (which, set on
+            the wrapped optimizer, is taken over: the wrapper then accumulates,
+            averages, and communicates once every that many steps).
         average_aggregated_gradients: divide the locally summed gradients by
-            `backward_passes_per_step` before communicating.
+            `backward_passes_per_step` before they are applied.
         sparse_as_dense: densify `IndexedSlices` gradients (embeddings) and
             allreduce them; by default their values and indices are
             allgathered.
         gradient_predivide_factor: with `op=Average`, gradients are multiplied
             by `1/f` before the sum and by `f/size` after it.
+        num_groups: Horovod's older spelling of `groups` as a number.
+        groups: a whole number `k` (the gradients go in `k` allreduces of
+            consecutive gradients) or a list of lists of variables (each
+            list one allreduce; variables in no list one allreduce each).
+        process_set: the ranks gradients are reduced over (default: every
+            rank); on a rank outside the set they stay its own. Not saved
+            with the model.
+        scale_local_gradients: divide the gradients of variables registered
+            with `register_local_var` by the number of ranks (as Horovod).
         loss_scale: `None` (default) scales the loss dynamically exactly when
             the global dtype policy is `"mixed_float16"` when the optimizer is
             built; `True` or `False` force it on or off.
@@ -81,6 +131,10 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         average_aggregated_gradients: bool = False,
         sparse_as_dense: bool = False,
         gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups=None,
+        process_set=None,
+        scale_local_gradients: bool = True,
         loss_scale: bool | None = None,
         initial_scale: float = 2.0**15,
         dynamic_growth_steps: int = 2000,
@@ -101,37 +155,31 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
                 "`optimizer` must be a keras.optimizers.Optimizer. "
                 f"Received: optimizer={optimizer!r}"
             )
-        kd_ops._check_op(op)
-        _compression_name(compression)
-        if isinstance(backward_passes_per_step, bool) or not isinstance(
-            backward_passes_per_step, int
-        ) or backward_passes_per_step < 1:
-            raise ValueError(
-                "`backward_passes_per_step` must be an integer >= 1. "
-                f"Received: backward_passes_per_step={backward_passes_per_step!r}"
-            )
-        if gradient_predivide_factor <= 0:
-            raise ValueError(
-                "`gradient_predivide_factor` must be > 0. "
-                f"Received: gradient_predivide_factor={gradient_predivide_factor}"
-            )
-        if gradient_predivide_factor != 1.0 and op is not _vocab.Average:
-            raise ValueError(
-                "`gradient_predivide_factor` needs op=keras_dist.Average. "
-                f"Received: op={op}, gradient_predivide_factor={gradient_predivide_factor}"
-            )
+        reduction = GradientReduction(
+            op=op, compression=compression, sparse_as_dense=bool(sparse_as_dense),
+            gradient_predivide_factor=float(gradient_predivide_factor),
+            groups=check_groups(groups, num_groups), process_set=process_set,
+            scale_local_gradients=bool(scale_local_gradients))
+        backward_passes_per_step, average_aggregated_gradients = _accumulation(
+            optimizer, backward_passes_per_step, average_aggregated_gradients)
         # LossScaleOptimizer.__init__ would disable the inner optimizer's own
         # `loss_scale_factor`; only the base initialiser is wanted here.
         keras.optimizers.Optimizer.__init__(
             self, learning_rate=0.0, name=name or f"distributed_{optimizer.name}"
         )
         self.inner_optimizer = optimizer
+        self._reduction = reduction
+        # Untracked Python state: local variables and the gradients the last
+        # `compute_gradients` call already reduced (see `apply`).
+        self._local = _LocalState()
         self.op = op
         self.compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
         self.sparse_as_dense = bool(sparse_as_dense)
         self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.process_set = process_set
+        self.scale_local_gradients = bool(scale_local_gradients)
         self.loss_scale = loss_scale
         self.initial_scale = initial_scale
         self.dynamic_growth_steps = dynamic_growth_steps
@@ -176,6 +224,22 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
+    # -- local variables -------------------------------------------------
+
+    def register_local_var(self, var) -> None:
+        """Marks ``var`` as local to this rank: its gradient is not reduced.
+
+        With ``scale_local_gradients`` (default) the gradient is divided by
+        the number of ranks instead.
+        """
+        self._local.variables.add(id(var))
+
+    def _local_ids(self) -> set[int]:
+        ids = set(self._local.variables)
+        for layer in self._local.layers:
+            ids.update(id(v) for v in layer.trainable_weights)
+        return ids
+
     # -- the step ----------------------------------------------------------
 
     def apply(self, grads, trainable_variables=None):
@@ -200,7 +264,68 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
                 "`grads` and `trainable_variables` must have the same length. "
                 f"Received: {len(grads)} gradients, {len(trainable_variables)} variables"
             )
-        if context.get().size > 1 and compat.in_xla_context():
+        pending, self._local.pending = self._local.pending, None
+        if pending is None or len(pending) != len(grads) or any(
+                g is not p for g, p in zip(grads, pending)):
+            grads = self._aggregate(grads, trainable_variables)
+        self._apply_or_count(grads, trainable_variables)
+
+    def _aggregate(self, grads, trainable_variables):
+        """This step's gradients as they are to be applied.
+
+        Reduced across ranks; with ``backward_passes_per_step`` > 1, first
+        summed locally, and reduced (and the sums reset) on every k-th step
+        only, the other steps returning the running sums.
+        """
+        self._check_not_in_xla()
+        if self.backward_passes_per_step == 1:
+            return self._reduce(grads, trainable_variables)
+        steps = self.backward_passes_per_step
+        accumulators = [
+            self.gradient_accumulators[compat.variable_index(self, v)]
+            for v in trainable_variables
+        ]
+        present = [i for i, g in enumerate(grads) if g is not None]
+        for i in present:
+            accumulators[i].assign_add(ops.cast(to_dense(grads[i]), accumulators[i].dtype))
+        self.local_steps.assign_add(1)
+
+        def communicate():
+            # Read as tensors: the accumulators are reset below.
+            summed = [ops.copy(accumulators[i]) if i in present else None
+                      for i in range(len(grads))]
+            if self.average_aggregated_gradients:
+                summed = [None if a is None else a / steps for a in summed]
+            reduced = self._reduce(summed, trainable_variables)
+            values = [ops.convert_to_tensor(reduced[i]) for i in present]
+            for accumulator in accumulators:
+                accumulator.assign(ops.zeros_like(accumulator.value))
+            self.local_steps.assign(0)
+            return values
+
+        def running_sums():
+            return [ops.copy(accumulators[i]) for i in present]
+
+        values = ops.cond(ops.equal(self.local_steps % steps, 0), communicate, running_sums)
+        result = [None] * len(grads)
+        for i, value in zip(present, values):
+            result[i] = value
+        return result
+
+    def _apply_or_count(self, grads, trainable_variables):
+        """Applies ``grads`` on a communication step; otherwise only counts the step."""
+        if self.backward_passes_per_step == 1:
+            self._apply_reduced(grads, trainable_variables)
+            return
+
+        def count():
+            self.iterations.assign_add(1)
+
+        ops.cond(ops.equal(self.local_steps, 0),
+                 lambda: self._apply_reduced(grads, trainable_variables), count)
+
+    def _check_not_in_xla(self):
+        if self._reduction.span()[0] > 1 and compat.in_xla_context():
             raise RuntimeError(
                 "DistributedOptimizer cannot run inside an XLA-compiled step "
                 "(jit_compile=True): its collectives are host calls that XLA cannot "
@@ -208,46 +333,62 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
                 "keras_dist callback (e.g. BroadcastGlobalVariablesCallback) to fit(), "
                 "which turns XLA off for the train step."
             )
-        if self.backward_passes_per_step == 1:
-            self._apply_reduced(self._reduce(grads), trainable_variables)
-        else:
-            self._accumulate(grads, trainable_variables)
 
-    def _accumulate(self, grads, trainable_variables):
-        steps = self.backward_passes_per_step
-        accumulators = [
-            self.gradient_accumulators[compat.variable_index(self, v)]
-            for v in trainable_variables
-        ]
-        for grad, accumulator in zip(grads, accumulators):
-            if grad is not None:
-                accumulator.assign_add(ops.cast(to_dense(grad), accumulator.dtype))
-        self.local_steps.assign_add(1)
-
-        def communicate():
-            summed = [
-                None if g is None
-                else (a.value / steps if self.average_aggregated_gradients else a.value)
-                for g, a in zip(grads, accumulators)
-            ]
-            self._apply_reduced(self._reduce(summed), trainable_variables)
-            for accumulator in accumulators:
-                accumulator.assign(ops.zeros_like(accumulator.value))
-
-        ops.cond(ops.equal(self.local_steps % steps, 0), communicate, lambda: None)
-
-    def _reduce(self, grads):
-        """Reduces ``grads`` across ranks: dense ones in one grouped allreduce."""
-        reduction = GradientReduction(
-            op=self.op, compression=self.compression, sparse_as_dense=self.sparse_as_dense,
-            gradient_predivide_factor=self.gradient_predivide_factor)
-        return reduction.reduce(grads, None, context.get().size)
+    def _reduce(self, grads, trainable_variables):
+        """Reduces ``grads`` across ranks: dense ones in one grouped allreduce per group."""
+        return self._reduction.reduce(grads, trainable_variables, self._local_ids())
 
     def _apply_reduced(self, grads, trainable_variables):
         if self._uses_loss_scale():
             compat.loss_scale_apply(self, grads, trainable_variables)
         else:
             self.inner_optimizer.apply(grads, trainable_variables)
+
+    # -- gradients computed by the optimizer (Horovod's Keras 2 API) -------
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        """Gradients of ``loss`` reduced across ranks, as ``(gradient, variable)`` pairs.
+
+        ``loss`` is a tensor recorded on ``tape`` or a callable computing it.
+        With ``backward_passes_per_step`` > 1 the gradients are accumulated
+        as in ``apply``. Passing the returned pairs to ``apply_gradients``
+        applies them without reducing them again.
+        """
+        return self._compute_gradients(loss, var_list, tape=tape)
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        import tensorflow as tf
+
+        tape = tf.GradientTape() if tape is None else tape
+        if callable(var_list):
+            var_list = var_list()
+        var_list = list(var_list)
+        if callable(loss):
+            with tape:
+                tape.watch(var_list)
+                loss = loss()
+        grads = tape.gradient(loss, var_list, grad_loss)
+        return list(zip(self._reduce_computed(grads, var_list), var_list))
+
+    def get_gradients(self, loss, params):
+        """The wrapped optimizer's ``get_gradients(loss, params)``, reduced across ranks."""
+        getter = getattr(self.inner_optimizer, "get_gradients", None)
+        if getter is None:
+            raise AttributeError(
+                f"{type(self.inner_optimizer).__name__} has no `get_gradients`: compute the "
+                "gradients with a tape and pass them to `apply`."
+            )
+        params = list(params)
+        return self._reduce_computed(list(getter(loss, params)), params)
+
+    def _reduce_computed(self, grads, var_list):
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(var_list)
+            self.built = True
+        reduced = self._aggregate(list(grads), var_list)
+        self._local.pending = tuple(reduced)
+        return reduced
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         # LossScaleOptimizer's own version would bypass `apply`, hence the allreduce.
@@ -258,6 +399,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
     # -- serialization -----------------------------------------------------
 
     def get_config(self):
+        groups = self._reduction.groups
         return {
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
@@ -267,6 +409,9 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             "average_aggregated_gradients": self.average_aggregated_gradients,
             "sparse_as_dense": self.sparse_as_dense,
             "gradient_predivide_factor": self.gradient_predivide_factor,
+            # Lists of variables and process sets belong to a session, not a file.
+            "groups": groups if isinstance(groups, int) else None,
+            "scale_local_gradients": self.scale_local_gradients,
             "loss_scale": self.loss_scale,
             "initial_scale": self.initial_scale,
             "dynamic_growth_steps": self.dynamic_growth_steps,
@@ -281,3 +426,21 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         config["op"] = _vocab.ReduceOp(config["op"])
         config["compression"] = _COMPRESSIONS[config["compression"]]
         return cls(optimizer, **config)
+
+
+def PartialDistributedOptimizer(optimizer, *, local_layers=None, **kwargs):  # noqa: N802
+    """A ``DistributedOptimizer`` that leaves the gradients of ``local_layers`` local.
+
+    The layers' trainable weights (read at every step, so layers built
+    later count too) keep each rank's own gradients, divided by the number
+    of ranks unless ``scale_local_gradients=False``.
+
+    Args:
+        optimizer: the ``keras.optimizers.Optimizer`` to wrap.
+        local_layers: a Keras layer or a list of them.
+        **kwargs: as for ``DistributedOptimizer``.
+    """
+    local_layers = check_local_layers(local_layers)
+    wrapped = DistributedOptimizer(optimizer, **kwargs)
+    wrapped._local.layers.extend(local_layers)
+    return wrapped

@@ -8,7 +8,8 @@ from keras_dist._keras.lr import ScaledSchedule
 from keras_dist._keras.optimizer import DistributedOptimizer
 
 
-def load_model(path, custom_objects=None, compile: bool = True, safe_mode: bool = True):
+def load_model(path, custom_optimizers=None, custom_objects=None, compile: bool = True,
+               safe_mode: bool = True):
     """Loads a `.keras` model saved with a `DistributedOptimizer`.
 
     The optimizer comes back wrapped, with the inner optimizer's state
@@ -17,6 +18,8 @@ def load_model(path, custom_objects=None, compile: bool = True, safe_mode: bool 
 
     Args:
         path: the `.keras` file.
+        custom_optimizers: optimizer classes the file names, as Horovod takes
+            them (added to `custom_objects` under their class names).
         custom_objects: extra classes or functions the model needs.
         compile: as in `keras.saving.load_model`.
         safe_mode: as in `keras.saving.load_model`.
@@ -29,6 +32,7 @@ def load_model(path, custom_objects=None, compile: bool = True, safe_mode: bool 
         "keras_dist>DistributedOptimizer": DistributedOptimizer,
         "keras_dist>ScaledSchedule": ScaledSchedule,
     }
+    objects.update({cls.__name__: cls for cls in custom_optimizers or ()})
     objects.update(custom_objects or {})
     return keras.saving.load_model(
         path, custom_objects=objects, compile=compile, safe_mode=safe_mode

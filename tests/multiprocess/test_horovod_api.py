@@ -1,6 +1,7 @@
 """The rest of Horovod's TensorFlow API at 1, 2 and 3 ranks, under kdrun:
 DistributedGradientTape and broadcast_variables in custom training loops
-(eager and tf.function), SyncBatchNormalization.
+(eager and tf.function), SyncBatchNormalization, DistributedOptimizer's
+options (groups, local variables and layers, process sets, accumulation).
 
 Each worker checks every result on every rank against a float64 reference it
 computes independently; here each check must be reported passed by every rank.
@@ -14,7 +15,8 @@ import pytest
 from tests._mp import run_job
 
 WORKERS = Path(__file__).with_name("workers")
-SUITES = {"tape.py": "TAPE", "sync_batch_norm.py": "SYNCBN", "keras_api.py": "KERASAPI"}
+SUITES = {"tape.py": "TAPE", "sync_batch_norm.py": "SYNCBN", "keras_api.py": "KERASAPI",
+          "optimizer_options.py": "OPTOPTS"}
 
 
 @pytest.mark.timeout(300)

@@ -72,7 +72,104 @@ def test_backward_passes_accumulate_locally(average, in_function):
             total = sum(g.astype(np.float64) for g in grads[i - 2:i + 1])
             expected -= total / 3 if average else total
         np.testing.assert_allclose(var.numpy(), expected, rtol=1e-6)
-    assert int(opt.iterations) == 2
+    # Every backward pass counts, as with Keras's gradient_accumulation_steps.
+    assert int(opt.iterations) == 6
+    assert int(opt.local_steps) == 0
+
+
+def _fit(optimizer, epochs=1):
+    x, y = _data(48)
+    model = _model()
+    model.compile(optimizer, "mse")
+    model.fit(x, y, batch_size=4, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+def _schedule():
+    return keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.9)
+
+
+@pytest.mark.parametrize("how", ["backward_passes", "keras_accumulation"])
+def test_accumulation_matches_keras_gradient_accumulation(how):
+    """Same weights (to float32 rounding) and step count as Keras's own
+    accumulation, a learning-rate schedule included."""
+    reference = _fit(keras.optimizers.SGD(_schedule(), momentum=0.5,
+                                          gradient_accumulation_steps=3))
+    if how == "backward_passes":
+        opt = DistributedOptimizer(keras.optimizers.SGD(_schedule(), momentum=0.5),
+                                   backward_passes_per_step=3,
+                                   average_aggregated_gradients=True)
+    else:
+        inner = keras.optimizers.SGD(_schedule(), momentum=0.5, gradient_accumulation_steps=3)
+        opt = DistributedOptimizer(inner)
+        assert inner.gradient_accumulation_steps is None
+        assert opt.backward_passes_per_step == 3 and opt.average_aggregated_gradients
+    model = _fit(opt)
+    # Keras's `iterations` counts updates there; its schedule reads the passes.
+    assert int(opt.iterations) == int(reference.optimizer._iterations) == 12
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_keras_accumulation_and_other_backward_passes_conflict():
+    inner = keras.optimizers.SGD(0.1, gradient_accumulation_steps=3)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        DistributedOptimizer(inner, backward_passes_per_step=2)
+    assert inner.gradient_accumulation_steps == 3
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_compute_gradients_then_apply_gradients(passes):
+    """Horovod's Keras 2 path: reduced (and accumulated) gradients, applied once."""
+    var = tf.Variable([1.0, -2.0])
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.5), backward_passes_per_step=passes)
+    expected = np.array([1.0, -2.0])
+    for step in range(4):
+        pairs = opt._compute_gradients(lambda: tf.reduce_sum(var * var), var_list=[var])
+        grad = 2.0 * expected
+        returned = np.asarray(pairs[0][0])
+        if passes == 2 and step % 2 == 0:
+            np.testing.assert_allclose(returned, grad)  # the running sum so far
+        opt.apply_gradients(pairs)
+        if passes == 1:
+            expected = expected - 0.5 * grad
+        elif step % 2 == 0:
+            first = grad
+        else:
+            expected = expected - 0.5 * (first + grad)
+        np.testing.assert_allclose(var.numpy(), expected, rtol=1e-6)
+    assert int(opt.iterations) == 4
+
+
+def test_get_gradients_uses_the_wrapped_optimizers():
+    class Fixed(keras.optimizers.SGD):
+        def get_gradients(self, loss, params):
+            return [tf.constant([3.0]) for _ in params]
+
+    var = tf.Variable([0.0])
+    opt = DistributedOptimizer(Fixed(1.0))
+    (grad,) = opt.get_gradients(None, [var])
+    opt.apply_gradients([(grad, var)])
+    np.testing.assert_array_equal(var.numpy(), [-3.0])
+    with pytest.raises(AttributeError, match="get_gradients"):
+        DistributedOptimizer(keras.optimizers.SGD(1.0)).get_gradients(None, [var])
+
+
+def test_local_variables_and_layers_at_size_one():
+    model = _model()
+    opt = kd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1),
+                                         local_layers=model.layers[0])
+    opt.register_local_var(model.layers[1].kernel)
+    plain = _model()
+    plain.compile(keras.optimizers.SGD(0.1), "mse")
+    model.compile(opt, "mse")
+    x, y = _data()
+    for m in (plain, model):
+        m.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="local_layers"):
+        kd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=["dense"])
 
 
 def test_none_gradients_are_skipped():
@@ -104,6 +201,10 @@ def test_arguments_are_checked():
         DistributedOptimizer(sgd, compression="fp16")
     with pytest.raises(ValueError, match="keras.optimizers.Optimizer"):
         DistributedOptimizer("sgd")
+    with pytest.raises(ValueError, match="`groups`"):
+        DistributedOptimizer(sgd, groups=0)
+    with pytest.raises(ValueError, match="`num_groups`"):
+        DistributedOptimizer(sgd, num_groups=-1)
     with pytest.raises(ValueError, match="already"):
         DistributedOptimizer(DistributedOptimizer(sgd))
 
@@ -111,8 +212,9 @@ def test_arguments_are_checked():
 def test_config_round_trip():
     opt = DistributedOptimizer(keras.optimizers.Adam(0.01), op=kd.Sum,
                                compression=kd.Compression.fp16, backward_passes_per_step=2,
-                               sparse_as_dense=True)
+                               sparse_as_dense=True, groups=3, scale_local_gradients=False)
     clone = DistributedOptimizer.from_config(opt.get_config())
+    assert clone.get_config() == opt.get_config()
     assert clone.op is kd.Sum and clone.compression is kd.Compression.fp16
     assert clone.backward_passes_per_step == 2 and clone.sparse_as_dense
     assert isinstance(clone.inner_optimizer, keras.optimizers.Adam)
@@ -137,6 +239,24 @@ def test_saved_model_resumes_with_the_inner_state(tmp_path, passes):
     restored.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     for a, b in zip(model.get_weights(), restored.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_load_model_takes_custom_optimizers_as_horovod(tmp_path):
+    class HalfStepSGD(keras.optimizers.SGD):
+        """An SGD the file names by class; Keras cannot find it by itself."""
+
+    model = _model()
+    model.compile(DistributedOptimizer(HalfStepSGD(0.05)), "mse")
+    x, y = _data()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    path = tmp_path / "custom.keras"
+    model.save(path)
+    with pytest.raises(TypeError, match="HalfStepSGD"):
+        load_model(path)
+    restored = load_model(path, custom_optimizers=[HalfStepSGD])
+    assert type(restored.optimizer.inner_optimizer).__name__ == "HalfStepSGD"
+    for a, b in zip(model.get_weights(), restored.get_weights()):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_mixed_float16_scales_the_loss_itself_and_compile_does_not_wrap():

@@ -2,6 +2,7 @@
 
 from keras_dist._keras.callbacks.best_model_checkpoint import BestModelCheckpoint
 from keras_dist._keras.callbacks.broadcast_global_variables import BroadcastGlobalVariablesCallback
+from keras_dist._keras.callbacks.join import JoinCallback
 from keras_dist._keras.callbacks.learning_rate_schedule import LearningRateScheduleCallback
 from keras_dist._keras.callbacks.learning_rate_warmup import LearningRateWarmupCallback
 from keras_dist._keras.callbacks.metric_average import MetricAverageCallback
@@ -9,6 +10,7 @@ from keras_dist._keras.callbacks.metric_average import MetricAverageCallback
 __all__ = [
     "BestModelCheckpoint",
     "BroadcastGlobalVariablesCallback",
+    "JoinCallback",
     "LearningRateScheduleCallback",
     "LearningRateWarmupCallback",
     "MetricAverageCallback",

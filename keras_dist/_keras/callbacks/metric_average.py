@@ -21,6 +21,10 @@ class MetricAverageCallback(keras.callbacks.Callback):
     `History`, `ModelCheckpoint`, ...) see the averages. Put it before any
     callback that reads the logs.
 
+    Args:
+        process_set: the ranks to average over (default: every rank); ranks
+            outside the set keep their own logs.
+
     Example:
 
     ```python
@@ -28,15 +32,22 @@ class MetricAverageCallback(keras.callbacks.Callback):
     ```
     """
 
+    def __init__(self, *, process_set=None):
+        super().__init__()
+        self.process_set = process_set
+
     def on_train_begin(self, logs=None):
         disable_xla_for_training(self.model)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None or context.get().size == 1:
             return
+        if self.process_set is not None and not self.process_set.included():
+            return
         keys = sorted(key for key, value in logs.items() if _is_number(value))
         values = np.array([float(logs[key]) for key in keys], dtype=np.float64)
-        averaged = kd_ops.allreduce(values, op=_vocab.Average, name="metric_average")
+        averaged = kd_ops.allreduce(values, op=_vocab.Average, name="metric_average",
+                                    process_set=self.process_set)
         for key, value in zip(keys, averaged):
             logs[key] = float(value)
 
