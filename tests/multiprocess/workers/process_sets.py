@@ -336,7 +336,8 @@ def test_sets_from_a_split_communicator():
 CHECKS = {
     "static": [test_registration, test_allreduce_on_each_parity,
                test_allgather_and_objects_on_each_parity, test_broadcast_on_set_transport,
-               test_public_broadcasts_take_job_roots, test_overlapping_sets, test_non_members_never_block, test_errors],
+               test_public_broadcasts_take_job_roots, test_overlapping_sets,
+               test_non_members_never_block, test_errors],
     "dynamic": [test_add_get_remove, test_collectives_on_added_sets,
                 test_disagreeing_calls_raise_everywhere],
     "comm": [test_sets_from_a_split_communicator],
