@@ -20,6 +20,7 @@ supervisor (no launcher, plain ``mpiexec``).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -63,6 +64,9 @@ def _open_channel(fd: int) -> socket.socket | None:
                                    struct.calcsize("3i"))
         if channel.family == socket.AF_UNIX and struct.unpack("3i", creds)[0] == os.getppid():
             channel.set_inheritable(False)
+            # Closed last at exit (atexit runs in reverse order of registration:
+            # after ``shutdown``, registered by ``init`` later, has reported).
+            atexit.register(channel.close)
             return channel
     except OSError:
         pass

@@ -74,6 +74,15 @@ def test_plain_mpi_program_output_is_labelled():
     assert "[1] ok 1\n" in result.launcher_stdout, result.describe()
 
 
+def test_a_supervised_rank_leaves_nothing_open_at_exit():
+    # Development mode shows every ResourceWarning, e.g. a socket left unclosed.
+    code = "import keras_dist as kd; kd.init(); print('sum', kd.allreduce(1.0, op=kd.Sum))"
+    result = run_job([sys.executable, "-X", "dev", "-c", code], np=2, timeout=60).check()
+    for rank in range(2):
+        assert "sum 2.0" in result.output(rank), result.describe()
+        assert "ResourceWarning" not in result.output(rank), result.describe()
+
+
 OPENMPI = os.environ.get("KERAS_DIST_TEST_OPENMPI_MPIEXEC")
 
 
