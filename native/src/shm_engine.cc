@@ -381,8 +381,11 @@ void ShmEngine::leave() {
   }
 }
 
-void ShmEngine::check_departed(int p, const std::string& where) const {
+void ShmEngine::check_departed(int p, const std::string& where) {
   if (p == me_ || ctl(p)->left.load(std::memory_order_acquire) == 0) return;
+  // A rank that aborted (e.g. was interrupted) and then left: its abort names the cause.
+  if (reinterpret_cast<const SegmentLayout*>(base_)->abort_rank.load(std::memory_order_acquire) == p)
+    raise_aborted(p, where);
   throw PeerFailureError(where + ": " + rank_label(p) +
                          " has shut down keras_dist (left the group) while " +
                          rank_label(me_) + " waits in this collective");

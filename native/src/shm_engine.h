@@ -131,7 +131,7 @@ class ShmEngine {
   // The first step alone: publish the header, wait, compare.
   void header_step();
   // Raises PeerFailureError if local rank p has left the group (leave()).
-  void check_departed(int p, const std::string& where) const;
+  void check_departed(int p, const std::string& where);
   void publish();
   void wait_all();
   void check_headers();
