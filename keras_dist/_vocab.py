@@ -20,7 +20,7 @@ try:  # ml_dtypes ships with TensorFlow and JAX; numpy has no bfloat16 of its ow
 except ImportError:  # pragma: no cover - only without TF/JAX installed
     _bfloat16 = None
 
-FLOAT16, BFLOAT16, FLOAT32, FLOAT64, INT32, INT64, UINT8 = range(7)
+FLOAT16, BFLOAT16, FLOAT32, FLOAT64, INT32, INT64, UINT8, INT8, INT16, UINT16 = range(10)
 
 SUM, MIN, MAX, PRODUCT = range(4)
 OP_NAMES = {SUM: "sum", MIN: "min", MAX: "max", PRODUCT: "product"}
@@ -58,6 +58,9 @@ _CODES: dict[np.dtype, int] = {
     np.dtype(np.int32): INT32,
     np.dtype(np.int64): INT64,
     np.dtype(np.uint8): UINT8,
+    np.dtype(np.int8): INT8,
+    np.dtype(np.int16): INT16,
+    np.dtype(np.uint16): UINT16,
 }
 if _bfloat16 is not None:
     _CODES[np.dtype(_bfloat16)] = BFLOAT16

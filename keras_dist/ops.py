@@ -2,6 +2,12 @@
 
 from keras_dist._vocab import Average, Max, Min, Product, ReduceOp, Sum
 from keras_dist.tensor.compression import Compression
+from keras_dist.tensor.exchange import (
+    alltoall,
+    grouped_allgather,
+    grouped_reducescatter,
+    reducescatter,
+)
 from keras_dist.tensor.ops import (
     COUNTERS,
     allgather,
@@ -9,6 +15,7 @@ from keras_dist.tensor.ops import (
     allreduce,
     barrier,
     broadcast,
+    broadcast_,
     broadcast_object,
     broadcast_variables,
     grouped_allreduce,
@@ -16,6 +23,7 @@ from keras_dist.tensor.ops import (
 
 __all__ = [
     "COUNTERS", "Average", "Compression", "Max", "Min", "Product", "ReduceOp", "Sum",
-    "allgather", "allgather_object", "allreduce", "barrier", "broadcast", "broadcast_object",
-    "broadcast_variables", "grouped_allreduce",
+    "allgather", "allgather_object", "allreduce", "barrier", "broadcast", "broadcast_",
+    "broadcast_object", "broadcast_variables", "grouped_allreduce",
+    "alltoall", "grouped_allgather", "grouped_reducescatter", "reducescatter",
 ]

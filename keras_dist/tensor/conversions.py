@@ -2,14 +2,21 @@
 TensorFlow tensors eager or symbolic, cupy arrays) and numpy buffers.
 
 Framework-specific code of the tensor layer lives here: the collectives in
-``ops`` see numpy arrays only.
+``ops`` see numpy arrays only. ``run`` is the one bridge from a numpy
+function to TensorFlow: eager or graph execution, gradients, and the
+TensorFlow error classes a TF caller expects.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from keras_dist.errors import CollectiveMismatchError
 
 
 def is_tf(value) -> bool:
@@ -18,6 +25,11 @@ def is_tf(value) -> bool:
 
 def is_cupy(value) -> bool:
     return type(value).__module__.startswith("cupy")
+
+
+def is_indexed_slices(value) -> bool:
+    """True for a TensorFlow ``IndexedSlices`` (a sparse gradient)."""
+    return type(value).__name__ == "IndexedSlices" and is_tf(value)
 
 
 def unwrap(value):
@@ -55,6 +67,14 @@ def is_symbolic(value) -> bool:
     return not tf.executing_eagerly() or not hasattr(value, "numpy")
 
 
+def executing_eagerly() -> bool:
+    """False inside a ``tf.function`` or a TF1 graph; True without TensorFlow loaded."""
+    import sys
+
+    tf = sys.modules.get("tensorflow")
+    return tf is None or tf.executing_eagerly()
+
+
 def to_numpy(value) -> np.ndarray:
     value = unwrap(value)
     if is_tf(value):
@@ -75,7 +95,7 @@ def like(template, array: np.ndarray):
     if is_tf(template):
         import tensorflow as tf
 
-        with tf.device(template.device or "/CPU:0"):
+        with tf.device(getattr(template, "device", None) or "/CPU:0"):
             return tf.convert_to_tensor(array)
     if is_cupy(template):
         import cupy
@@ -88,28 +108,346 @@ def like(template, array: np.ndarray):
     return array[()] if array.ndim == 0 else array
 
 
-def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray]],
-         name: str, shapes: Callable | None = None) -> list:
-    """Applies ``numpy_fn`` to ``values``, in a TF graph when they are symbolic.
+def _read(variable):
+    value = unwrap(variable)
+    read_value = getattr(value, "read_value", None)
+    return read_value() if callable(read_value) else value
 
-    Eager values are converted to numpy and back. Symbolic TF values (inside a
-    ``tf.function``) get one stateful ``tf.numpy_function`` op for the whole
-    list, so the collective runs once per step, in program order.
+
+def assign_and_read(variables: Sequence, values: Sequence | None) -> list:
+    """Assigns ``values`` (None: nothing) to ``variables``; returns their values after.
+
+    In a graph the reads depend on the assignments, so evaluating a read
+    assigns first (TF1 graphs have no automatic ordering).
+    """
+    assignments = []
+    for variable, value in zip(variables, values or ()):
+        if is_tf(variable):  # a TF variable: its assign op, for the graph case
+            assignments.append(variable.assign(value, read_value=False))
+        else:  # a Keras variable converts and checks the value itself
+            variable.assign(value)
+    if executing_eagerly():
+        return [_read(v) for v in variables]
+    import tensorflow as tf
+
+    with tf.control_dependencies([a for a in assignments if a is not None]):
+        return [tf.identity(_read(v)) for v in variables]
+
+
+def after(values: Sequence):
+    """A context in which new TF ops run after ``values`` are computed.
+
+    Several collectives made by one call must run in the same order on every
+    rank; a TF1 graph, unlike eager code and ``tf.function``, would run
+    independent ops in any order. A no-op unless ``values`` are symbolic.
+    """
+    symbolic = [v for v in values if is_symbolic(v)]
+    if not symbolic:
+        return contextlib.nullcontext()
+    import tensorflow as tf
+
+    return tf.control_dependencies(symbolic)
+
+
+def group_op(values: Sequence):
+    """One TF op that evaluates ``values``."""
+    import tensorflow as tf
+
+    return tf.group(*values)
+
+
+# ---------------------------------------------------------------------------
+# TensorFlow error classes.
+#
+# A TF caller catches ``tf.errors.OpError`` subclasses: a mismatch between
+# ranks is a ``FailedPreconditionError``, a bad argument an
+# ``InvalidArgumentError``. Eagerly, keras_dist raises classes that are both
+# its own error and the TF one. Inside a graph, TF itself builds the error
+# from a status code when the step fails: ``numpy_function`` turns a Python
+# ``ValueError``/``TypeError`` into INVALID_ARGUMENT and a
+# ``NotImplementedError`` into UNIMPLEMENTED, but any other exception into
+# UNKNOWN, whatever its class. So a mismatch inside a graph leaves the numpy
+# function normally and hands its message to a ``ReadFile`` op: reading a
+# path below ``os.devnull`` fails with FAILED_PRECONDITION ("Not a
+# directory"), and the message travels as that path. When nothing failed the
+# op reads ``os.devnull`` itself: zero bytes, no error.
+
+_FAILURE_PREFIX = os.devnull + "/"
+
+
+def _tf_error_class(error: BaseException):
+    """The TF ``OpError`` class matching ``error``, or None."""
+    import tensorflow as tf
+
+    if isinstance(error, CollectiveMismatchError):
+        return tf.errors.FailedPreconditionError
+    if isinstance(error, (ValueError, TypeError)):
+        return tf.errors.InvalidArgumentError
+    if isinstance(error, NotImplementedError):
+        return tf.errors.UnimplementedError
+    return None
+
+
+@functools.cache
+def _dual_class(error_class: type, tf_class: type) -> type:
+    """A class that is both ``error_class`` and ``tf_class``, named as ``error_class``."""
+
+    def __init__(self, message: str, state: dict) -> None:
+        tf_class.__init__(self, None, None, message)
+        self.args = (message,)
+        self.__dict__.update(state)
+
+    def __reduce__(self):  # travels as the keras_dist error alone
+        plain = error_class.__new__(error_class)
+        plain.args = self.args
+        plain.__dict__.update({k: v for k, v in vars(self).items() if not k.startswith("_")})
+        return plain.__reduce__()
+
+    return type(error_class.__name__, (error_class, tf_class), {
+        "__init__": __init__, "__reduce__": __reduce__,
+        "__module__": error_class.__module__, "__qualname__": error_class.__qualname__,
+        "__str__": BaseException.__str__,
+    })
+
+
+def as_tf_error(error: BaseException) -> BaseException:
+    """``error`` as an instance that is also the matching TF ``OpError``.
+
+    Errors with no TF counterpart, and those that already are one, are
+    returned as they are.
+    """
+    import tensorflow as tf
+
+    tf_class = _tf_error_class(error)
+    if tf_class is None or isinstance(error, tf.errors.OpError):
+        return error
+    state = {k: v for k, v in vars(error).items() if not k.startswith("_")}  # e.g. peer_rank
+    dual = _dual_class(type(error), tf_class)(str(error), state)
+    dual.__traceback__ = error.__traceback__
+    return dual
+
+
+def not_converted_by_autograph(function: Callable) -> Callable:
+    """Marks ``function`` so that a ``tf.function`` calls it as plain Python.
+
+    AutoGraph rewrites the Python code a ``tf.function`` calls, module by
+    module, unless told otherwise; keras_dist's own code builds its graph ops
+    itself and must run as written (a rewritten call can fail while tracing).
+    TF's ``do_not_convert`` decorator marks a function with this attribute;
+    setting it directly keeps TensorFlow out of this module's import.
+    """
+    function.autograph_info__ = frozenset()
+    return function
+
+
+def raising_tf_errors(function: Callable) -> Callable:
+    """Decorates a collective: when any argument is a TF value, its errors are
+    raised as ``as_tf_error`` makes them (checks made before ``run`` included).
+    The collective runs unconverted inside a ``tf.function``
+    (``not_converted_by_autograph``)."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except (CollectiveMismatchError, ValueError, TypeError, NotImplementedError) as error:
+            if not _mentions_tf(args) and not _mentions_tf(kwargs.values()):
+                raise
+            raise as_tf_error(error) from error.__cause__
+
+    return not_converted_by_autograph(wrapper)
+
+
+def _mentions_tf(values) -> bool:
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            if any(is_tf(unwrap(v)) for v in value):
+                return True
+        elif is_tf(unwrap(value)):
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------
+# The bridge.
+
+#: ``grad(inputs, outputs, upstream) -> list``: the gradients with respect to
+#: ``inputs`` (TF tensors), given those with respect to ``outputs``
+#: (``upstream``, one per output, zeros where TF passed none). An entry may
+#: be None (no gradient). Built from keras_dist collectives, it is itself
+#: differentiable.
+GradFn = Callable[[list, list, list], list]
+
+
+def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray]],
+        name: str, shapes: Callable[[list], list] | None = None, grad: GradFn | None = None,
+        out_dtypes: Sequence | None = None) -> list:
+    """Applies ``numpy_fn`` to ``values``; TF values get a TF op, with a gradient.
+
+    Eager values are converted to numpy and back (each output as the kind of
+    value of the input at its position, or of the first input). Symbolic TF
+    values (a ``tf.function`` or a TF1 graph) get one stateful
+    ``tf.numpy_function`` op for the whole list, so the collective runs once
+    per step, in program order.
+
+    Args:
+        values: the inputs (any kind ``to_numpy`` takes).
+        numpy_fn: numpy arrays in, numpy arrays out.
+        name: the collective, for the op's name.
+        shapes: the static shapes of the outputs from the list of the inputs'
+            ``tf.TensorShape`` (default: each output shaped as its input).
+        grad: makes the op differentiable with TensorFlow (tapes,
+            ``tf.gradients``); see ``GradFn``.
+        out_dtypes: the outputs' dtypes (default: the inputs' dtypes, one
+            output per input).
+
+    Returns:
+        The outputs as a list.
+
+    Raises:
+        CollectiveMismatchError, ValueError, TypeError: as ``numpy_fn`` raises
+            them; for TF values they are also the matching ``tf.errors``
+            class (``as_tf_error``), in eager and graph execution alike.
     """
     values = [unwrap(v) for v in values]
-    if any(is_symbolic(v) for v in values):
-        import tensorflow as tf
+    if not any(is_tf(v) for v in values):
+        arrays = numpy_fn([to_numpy(v) for v in values])
+        return [like(values[min(i, len(values) - 1)], a) for i, a in enumerate(arrays)]
+    import tensorflow as tf
 
-        tensors = [tf.convert_to_tensor(v) for v in values]
-        outputs = tf.numpy_function(
-            lambda *arrays: numpy_fn(list(arrays)),
-            tensors,
-            Tout=[t.dtype for t in tensors],
-            stateful=True,
-            name=f"keras_dist_{name}",
-        )
-        for tensor, output in zip(tensors, outputs):
-            output.set_shape(shapes(tensor.shape) if shapes else tensor.shape)
-        return list(outputs)
-    arrays = numpy_fn([to_numpy(v) for v in values])
-    return [like(v, a) for v, a in zip(values, arrays)]
+    tensors = [tf.convert_to_tensor(v) for v in values]
+    dtypes = ([tf.as_dtype(d) for d in out_dtypes] if out_dtypes is not None
+              else [t.dtype for t in tensors])
+    symbolic = any(is_symbolic(t) for t in tensors)
+
+    def forward(*inputs):
+        if symbolic:
+            return _graph_op(list(inputs), numpy_fn, name, shapes, dtypes)
+        try:
+            arrays = numpy_fn([t.numpy() for t in inputs])
+        except (CollectiveMismatchError, ValueError, TypeError, NotImplementedError) as error:
+            raise as_tf_error(error) from error
+        return [_to_tensor(a, t) for a, t in zip(arrays, _templates(inputs, len(arrays)))]
+
+    if grad is None or not (symbolic or _tape_may_record()):
+        results = forward(*tensors)
+    else:
+        results = _differentiable(forward, grad, len(dtypes))(*tensors)
+    if symbolic:
+        return results
+    # Eagerly, each output is the kind of value its input was (numpy stays numpy).
+    return [r if is_tf(v) else like(v, r.numpy())
+            for r, v in zip(results, _templates(values, len(results)))]
+
+
+def _templates(inputs: Sequence, count: int) -> list:
+    return [inputs[min(i, len(inputs) - 1)] for i in range(count)]
+
+
+def _to_tensor(array: np.ndarray, template):
+    import tensorflow as tf
+
+    with tf.device(template.device or "/CPU:0"):
+        return tf.convert_to_tensor(array)
+
+
+def _tape_may_record() -> bool:
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:  # pragma: no cover - a TF without it: assume a tape
+        return True
+    return record.could_possibly_record()
+
+
+def _differentiable(forward: Callable, grad: GradFn, n_outputs: int) -> Callable:
+    import tensorflow as tf
+
+    @tf.custom_gradient
+    def op(*inputs):
+        outputs = forward(*inputs)
+
+        def backward(*upstream):
+            upstream = [tf.zeros_like(o) if u is None else u
+                        for u, o in zip(upstream, outputs)]
+            grads = list(grad(list(inputs), list(outputs), upstream))
+            grads = [None if g is None or not (x.dtype.is_floating or x.dtype.is_complex)
+                     else g for g, x in zip(grads, inputs)]
+            return grads if len(grads) != 1 else grads[0]
+
+        return (outputs if n_outputs != 1 else outputs[0]), backward
+
+    def call(*inputs):
+        result = op(*inputs)
+        return list(result) if n_outputs != 1 else [result]
+
+    return call
+
+
+@contextlib.contextmanager
+def _after_previous_collective():
+    """Orders the collectives of a TF1 graph as they were built.
+
+    A ``tf.function`` runs stateful ops in program order, but a TF1 graph run
+    by a session runs independent ops in any order, which differs between
+    ranks, and every rank must call the collectives in the same order. In a
+    TF1 graph (outside its control-flow constructs), each collective op gets
+    a control edge from the one built before it; the context yields the
+    function that records the new op.
+    """
+    import tensorflow as tf
+
+    graph = tf.compat.v1.get_default_graph()
+    chained = (not isinstance(graph, _func_graph_class())
+               and graph._get_control_flow_context() is None)  # noqa: SLF001
+    previous = getattr(graph, "_keras_dist_last_collective", None) if chained else None
+
+    def remember(op) -> None:
+        if chained:
+            graph._keras_dist_last_collective = op  # noqa: SLF001
+
+    if previous is None:
+        yield remember
+        return
+    with tf.control_dependencies([previous]):
+        yield remember
+
+
+@functools.cache
+def _func_graph_class() -> type:
+    from tensorflow.python.framework.func_graph import FuncGraph
+
+    return FuncGraph
+
+
+def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | None,
+              dtypes: list) -> list:
+    """``numpy_fn`` as one stateful graph op, failing as ``run`` says."""
+    import tensorflow as tf
+
+    def call(*arrays):
+        try:
+            results = numpy_fn(list(arrays))
+        except CollectiveMismatchError as error:
+            # Outputs of the right dtypes for the op to finish; the ReadFile
+            # op below fails the step before anything reads them.
+            results = [np.zeros(0, dtype.as_numpy_dtype) for dtype in dtypes]
+            status = (_FAILURE_PREFIX + f"keras_dist {type(error).__name__}: {error}")
+            return [*results, np.bytes_(status.encode()[:3000])]
+        return [*results, np.bytes_(os.devnull.encode())]
+
+    with _after_previous_collective() as remember:
+        *outputs, status = tf.numpy_function(
+            call, tensors, Tout=[*dtypes, tf.string], stateful=True, name=f"keras_dist_{name}")
+        remember(status.op)
+    status.set_shape(())
+    static = (shapes([t.shape for t in tensors]) if shapes
+              else [t.shape for t in _templates(tensors, len(dtypes))])
+    check = tf.io.read_file(status, name=f"keras_dist_{name}_status")
+    # Graph optimisation drops stateless ops that feed only control edges:
+    # the outputs wait on a (stateful, always true) assertion over its result.
+    guard = tf.debugging.Assert(tf.strings.length(check) >= 0, [check])
+    with tf.control_dependencies([guard]):
+        outputs = [tf.identity(o) for o in outputs]
+    for output, shape in zip(outputs, static):
+        output.set_shape(shape)
+    return outputs

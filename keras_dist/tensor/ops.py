@@ -18,9 +18,17 @@ import numpy as np
 from keras_dist import _vocab
 from keras_dist._runtime import context, timeline
 from keras_dist._vocab import Average, ReduceOp
-from keras_dist.tensor import fusion, outputs
+from keras_dist.errors import CollectiveMismatchError
+from keras_dist.tensor import conversions, fusion, outputs, tf_ops
 from keras_dist.tensor.compression import Compression
-from keras_dist.tensor.conversions import dtype_of, is_cupy, run, unwrap
+from keras_dist.tensor.conversions import (
+    dtype_of,
+    is_cupy,
+    is_indexed_slices,
+    raising_tf_errors,
+    run,
+    unwrap,
+)
 
 #: Transport calls made by this process, by collective ("allreduce", ...).
 #: One fused bucket is one call. Tests count collectives with it.
@@ -32,7 +40,17 @@ COUNTERS: collections.Counter = collections.Counter()
 # size (a call that fails at 2 ranks fails the same way at 1).
 
 
-def _check_op(op) -> ReduceOp:
+def _check_op(op, average: bool | None = None) -> ReduceOp:
+    """``op``, or the op the legacy ``average`` flag names (True: Average, False: Sum)."""
+    if average is not None:
+        if op is not None:
+            raise ValueError(
+                "Pass `op` or the legacy `average`, not both. "
+                f"Received: op={op!r}, average={average!r}"
+            )
+        return Average if average else _vocab.Sum
+    if op is None:
+        return Average
     if not isinstance(op, ReduceOp):
         raise ValueError(
             "`op` must be one of keras_dist.Average, Sum, Min, Max, Product. "
@@ -41,14 +59,18 @@ def _check_op(op) -> ReduceOp:
     return op
 
 
-def _check_root(root_rank, size: int) -> int:
+def _check_root(root_rank, group) -> int:
+    """The position in ``group`` of ``root_rank``, a job rank (as in Horovod,
+    also for a process set's collectives)."""
     if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
         raise ValueError(f"`root_rank` must be an integer. Received: root_rank={root_rank!r}")
-    if not 0 <= root_rank < size:
-        raise ValueError(
-            f"`root_rank` must be in [0, size). Received: root_rank={root_rank} (size={size})"
-        )
-    return int(root_rank)
+    if int(root_rank) not in group.ranks:
+        if group.process_set_id == 0:
+            raise ValueError("`root_rank` must be in [0, size). "
+                             f"Received: root_rank={root_rank} (size={group.size})")
+        raise ValueError("`root_rank` must be one of the process set's ranks "
+                         f"{list(group.ranks)}. Received: root_rank={root_rank}")
+    return group.ranks.index(int(root_rank))
 
 
 def _check_dtypes(dtypes: Sequence[np.dtype], collective: str) -> None:
@@ -60,8 +82,8 @@ def _check_dtypes(dtypes: Sequence[np.dtype], collective: str) -> None:
             )
 
 
-def _check_broadcast_dtypes(dtypes: Sequence[np.dtype], collective: str) -> None:
-    """Broadcasts move bytes: any fixed-size number or bool travels unchanged."""
+def _check_byte_dtypes(dtypes: Sequence[np.dtype], collective: str) -> None:
+    """Broadcasts and allgathers move bytes: any fixed-size number or bool travels unchanged."""
     for dtype in dtypes:
         if not (_vocab.is_supported(dtype) or np.dtype(dtype).kind in "biufc"):
             raise TypeError(
@@ -74,31 +96,53 @@ def _check_broadcast_dtypes(dtypes: Sequence[np.dtype], collective: str) -> None
 # Numpy cores: flat buffers through the transport.
 
 
-def _check_allreduce_inputs(dtypes: Sequence[np.dtype], prescale: float,
-                            postscale: float) -> None:
+def _check_allreduce_inputs(dtypes: Sequence[np.dtype]) -> None:
     _check_dtypes(dtypes, "allreduce")
-    if prescale == 1.0 and postscale == 1.0:
-        return
-    for dtype in dtypes:
-        if not _vocab.is_float(dtype):
-            raise TypeError(
-                "`prescale_factor` and `postscale_factor` apply to floating-point values only. "
-                f"Received: dtype={np.dtype(dtype).name}, prescale_factor={prescale}, "
-                f"postscale_factor={postscale}"
-            )
+
+
+def _typed_factor(factor: float, dtype: np.dtype):
+    """``factor`` as the scalar that scales ``dtype`` values the way Horovod does.
+
+    Half precision is scaled in float32 arithmetic, float32 in float32,
+    float64 and integers in float64 (integers then truncated toward zero).
+    """
+    if _vocab.is_float(dtype) and np.dtype(dtype).itemsize == 2:
+        return np.float32(factor)
+    return factor
+
+
+def _scaled(array: np.ndarray, factor: float, out: np.ndarray | None = None) -> np.ndarray:
+    """``array * factor`` in ``array``'s dtype (into ``out`` when given)."""
+    if out is None:
+        out = np.empty_like(array)
+    np.multiply(array, _typed_factor(factor, array.dtype), out=out, casting="unsafe")
+    return out
+
+
+def _finish(result: np.ndarray, op: ReduceOp, size: int, postscale: float) -> None:
+    """Turns a transport's reduction in ``result`` into ``op``'s result, in place."""
+    scale = _vocab.finishing_scale(op, result.dtype, size, postscale)
+    if scale is None:  # an integer Average: rounds down, then any postscale
+        np.floor_divide(result, size, out=result)
+        scale = postscale
+    if scale != 1.0:
+        _scaled(result, scale, out=result)
 
 
 def _allreduce_numpy(x: np.ndarray, op: ReduceOp, prescale: float, postscale: float,
-                     name: str) -> np.ndarray:
+                     name: str, group=None) -> np.ndarray:
     """``allreduce`` of one numpy array: reduced in its fresh output, no fusion."""
-    group = context.get()
-    _check_allreduce_inputs([x.dtype], prescale, postscale)
+    group = group or context.get()
+    _check_allreduce_inputs([x.dtype])
     if group.size == 1:
-        return x if prescale * postscale == 1.0 else x * (prescale * postscale)
+        if prescale == 1.0 and postscale == 1.0:
+            return x
+        out = _scaled(x, prescale) if prescale != 1.0 else x.copy()
+        return _scaled(out, postscale, out=out) if postscale != 1.0 else out
     out = outputs.POOL.empty(x.shape, x.dtype)
     send = None  # the transport reads ``x`` itself: no copy into ``out`` first
     if prescale != 1.0:
-        np.multiply(x, prescale, out=out, casting="unsafe")
+        _scaled(x, prescale, out=out)
     elif x.flags.c_contiguous:
         send = x.reshape(-1)
     else:
@@ -108,7 +152,7 @@ def _allreduce_numpy(x: np.ndarray, op: ReduceOp, prescale: float, postscale: fl
             group.transport.allreduce(out.reshape(-1), _vocab.TRANSPORT_OPS[op], name=_describe(
                 f"{name} {op.value}", ((x.shape, x.dtype.str),), 1), send=send)
         COUNTERS["allreduce"] += 1
-    _vocab.finish_reduction(out, op, group.size, postscale)
+    _finish(out, op, group.size, postscale)
     return out
 
 
@@ -123,13 +167,13 @@ def _describe(prefix: str, members: tuple, group_length: int) -> str:
 
 
 def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
-                      postscale: float, name: str) -> list[np.ndarray]:
-    group = context.get()
-    _check_allreduce_inputs([a.dtype for a in arrays], prescale, postscale)
+                      postscale: float, name: str, group=None) -> list[np.ndarray]:
+    group = group or context.get()
+    _check_allreduce_inputs([a.dtype for a in arrays])
     if group.size == 1:
-        if prescale * postscale == 1.0:
+        if prescale == 1.0 and postscale == 1.0:
             return arrays
-        return [a * (prescale * postscale) for a in arrays]
+        return [_allreduce_numpy(a, op, prescale, postscale, name, group) for a in arrays]
     transport = group.transport
     code = _vocab.TRANSPORT_OPS[op]
     outputs: list[np.ndarray | None] = list(arrays)  # empty arrays pass through
@@ -139,24 +183,28 @@ def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
             dtype = members[0].dtype
             count = sum(a.size for a in members)
             flat = transport.scratch(count * dtype.itemsize).view(dtype)
-            fusion.pack(members, flat, prescale)
-            transport.allreduce(flat, code, name=_describe(
+            fusion.pack(members, flat, _typed_factor(prescale, dtype))
+            moved = transport.allreduce(flat, code, name=_describe(
                 f"{name} {op.value}", tuple((a.shape, a.dtype.str) for a in members),
                 len(arrays)))
+            if moved is not None:  # ranks have joined: the result is elsewhere
+                flat = moved
             COUNTERS["allreduce"] += 1
             # ``flat`` may be shared memory that peers still read: only read it now.
             scale = _vocab.finishing_scale(op, dtype, group.size, postscale)
-            results = fusion.unpack(flat, members, 1.0 if scale is None else scale)
+            results = fusion.unpack(flat, members,
+                                    1.0 if scale is None else _typed_factor(scale, dtype))
             if scale is None:
                 for result in results:
-                    np.floor_divide(result, group.size, out=result)
+                    _finish(result, op, group.size, postscale)
             for index, result in zip(bucket, results):
                 outputs[index] = result
     return outputs
 
 
-def _broadcast_arrays(arrays: list[np.ndarray], root: int, name: str) -> list[np.ndarray]:
-    group = context.get()
+def _broadcast_arrays(arrays: list[np.ndarray], root: int, name: str,
+                      group=None) -> list[np.ndarray]:
+    group = group or context.get()
     if group.size == 1:
         return arrays
     outputs = [np.array(a, copy=True) for a in arrays]
@@ -180,12 +228,20 @@ def _broadcast_arrays(arrays: list[np.ndarray], root: int, name: str) -> list[np
 _MAX_GATHER_NDIM = 8
 
 
-def _allgather_array(array: np.ndarray, name: str) -> np.ndarray:
-    group = context.get()
+def _dtype_name(number: int) -> str:
+    """The name of the numpy dtype whose type number is ``number``."""
+    for code in np.typecodes["All"]:
+        if np.dtype(code).num == number:
+            return np.dtype(code).name
+    return f"dtype #{number}"
+
+
+def _allgather_array(array: np.ndarray, name: str, group=None) -> np.ndarray:
+    group = group or context.get()
     array = np.ascontiguousarray(array)
     if array.ndim == 0:
         array = array.reshape(1)
-    _check_dtypes([array.dtype], "allgather")
+    _check_byte_dtypes([array.dtype], "allgather")
     if array.ndim > _MAX_GATHER_NDIM:
         raise ValueError(f"`allgather` takes at most {_MAX_GATHER_NDIM} dimensions. "
                          f"Received: shape={array.shape}")
@@ -193,7 +249,7 @@ def _allgather_array(array: np.ndarray, name: str) -> np.ndarray:
         return array.copy()
     # Shapes first: ranks may differ in the first dimension only.
     header = np.zeros(2 + _MAX_GATHER_NDIM, np.int64)
-    header[:2] = array.ndim, _vocab.dtype_code(array.dtype)
+    header[:2] = array.ndim, array.dtype.num
     header[2 : 2 + array.ndim] = array.shape
     headers = np.empty(header.size * group.size, np.int64)
     group.transport.allgatherv(header, headers, [header.size] * group.size,
@@ -202,63 +258,107 @@ def _allgather_array(array: np.ndarray, name: str) -> np.ndarray:
     shapes = [tuple(int(d) for d in h[2 : 2 + h[0]]) for h in headers]
     if any((h[0], h[1]) != (headers[0][0], headers[0][1]) or shape[1:] != shapes[0][1:]
            for h, shape in zip(headers, shapes)):
-        names = _vocab.DTYPE_NAMES
-        detail = ", ".join(f"rank {r}: shape={shape} dtype={names.get(int(h[1]), h[1])}"
+        names = {int(h[1]): _dtype_name(int(h[1])) for h in headers}
+        names[array.dtype.num] = array.dtype.name
+        detail = ", ".join(f"rank {r}: shape={shape} dtype={names[int(h[1])]}"
                            for r, (h, shape) in enumerate(zip(headers, shapes)))
-        raise ValueError(
+        raise CollectiveMismatchError(
             "`allgather` needs the same dtype and the same shape past the first "
             f"dimension on every rank. Received: {detail}"
         )
-    counts = [int(np.prod(shape)) for shape in shapes]
+    row_bytes = int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize
+    counts = [shape[0] * row_bytes for shape in shapes]
     out = outputs.POOL.empty((sum(shape[0] for shape in shapes), *array.shape[1:]), array.dtype)
     with timeline.activity(name, "allgather", out.nbytes):
-        group.transport.allgatherv(array.reshape(-1), out.reshape(-1), counts, name=name)
+        group.transport.allgatherv(array.reshape(-1).view(np.uint8),
+                                   out.reshape(-1).view(np.uint8), counts, name=name)
     COUNTERS["allgather"] += 1
     return out
 
 
 # ---------------------------------------------------------------------------
-# Public collectives.
+# Public collectives. Each takes ``process_set`` (None: the whole job) and
+# runs on that group: its ranks, its size (an Average divides by it), its
+# transport.
 
 
-def allreduce(x, op: ReduceOp = Average, name: str | None = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, compression=Compression.none):
-    """Reduces ``x`` across all ranks.
+@raising_tf_errors
+def allreduce(x, op: ReduceOp | None = None, name: str | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              compression=Compression.none, average: bool | None = None, process_set=None):
+    """Reduces ``x`` across the ranks of ``process_set``.
 
     Args:
-        x: a numpy array, Python scalar, TF tensor (eager or symbolic), Keras
-            variable or cupy array.
+        x: a numpy array, Python scalar, TF tensor (eager or symbolic), TF
+            ``IndexedSlices``, Keras variable or cupy array.
         op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
             ``Average`` of integers rounds down.
         name: a label for the timeline.
-        prescale_factor: multiplies ``x`` before the reduction (floats only).
-        postscale_factor: multiplies the result (floats only).
+        prescale_factor: multiplies ``x`` before the reduction.
+        postscale_factor: multiplies the result. Integers are scaled in
+            float64 and truncated toward zero, half precision in float32.
         compression: ``Compression.none`` or ``Compression.fp16``.
+        average: legacy flag: True for ``Average``, False for ``Sum``; only
+            when ``op`` is not given.
+        process_set: the ranks to reduce over (default: every rank).
 
     Returns:
-        The reduced value, of the same kind, dtype and shape as ``x``.
+        The reduced value, of the same kind, dtype and shape as ``x``. An
+        ``IndexedSlices`` comes back as the ``IndexedSlices`` of every rank's
+        values and indices (``Sum`` or ``Average`` only, no scaling).
+
+    Raises:
+        CollectiveMismatchError: ranks passed different shapes or dtypes
+            (also ``tf.errors.FailedPreconditionError`` for TF values).
     """
+    op = _check_op(op, average)
     if type(x) is np.ndarray and compression is Compression.none:
-        return _allreduce_numpy(x, _check_op(op), float(prescale_factor),
-                                float(postscale_factor), name or "allreduce")
+        return _allreduce_numpy(x, op, float(prescale_factor), float(postscale_factor),
+                                name or "allreduce", context.group_for(process_set))
     return grouped_allreduce([x], op=op, name=name, prescale_factor=prescale_factor,
-                             postscale_factor=postscale_factor, compression=compression)[0]
+                             postscale_factor=postscale_factor, compression=compression,
+                             process_set=process_set)[0]
 
 
-def grouped_allreduce(xs: Sequence, op: ReduceOp = Average, name: str | None = None,
+@raising_tf_errors
+def grouped_allreduce(xs: Sequence, op: ReduceOp | None = None, name: str | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      compression=Compression.none) -> list:
+                      compression=Compression.none, average: bool | None = None,
+                      process_set=None) -> list:
     """Reduces every value of ``xs`` at once, fused by dtype.
 
     Every rank must pass the same number of values with the same shapes and
-    dtypes, in the same order. Returns a list of the reduced values.
+    dtypes, in the same order. Arguments as for ``allreduce``. Returns a list
+    of the reduced values.
     """
-    op = _check_op(op)
-    context.get()
+    op = _check_op(op, average)
+    group = context.group_for(process_set)
     if isinstance(xs, (str, bytes)) or not isinstance(xs, Sequence):
         raise TypeError(f"`xs` must be a list or tuple of tensors. Received: {type(xs)}")
     if not xs:
         return []
+    prescale, postscale = float(prescale_factor), float(postscale_factor)
+    sparse = [i for i, x in enumerate(xs) if is_indexed_slices(x)]
+    if sparse:
+        _check_sparse(op, prescale, postscale)
+    dense = [i for i in range(len(xs)) if i not in set(sparse)]
+    results: list = [None] * len(xs)
+    done: list = []  # each collective runs after the previous one, in graphs too
+    for i in sparse:
+        with conversions.after(done):
+            results[i] = _allreduce_sparse(xs[i], op, name, group, process_set)
+        done = [results[i].indices]
+    if dense:
+        with conversions.after(done):
+            reduced = _grouped_allreduce_dense([xs[i] for i in dense], op, name, prescale,
+                                               postscale, compression, group, process_set)
+        for i, result in zip(dense, reduced):
+            results[i] = result
+    return results
+
+
+def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale: float,
+                             postscale: float, compression, group, process_set) -> list:
     on_gpu = [is_cupy(unwrap(x)) for x in xs]
     if any(on_gpu) and not all(on_gpu):
         raise TypeError(
@@ -266,53 +366,85 @@ def grouped_allreduce(xs: Sequence, op: ReduceOp = Average, name: str | None = N
             f"Received: cupy arrays at positions {[i for i, g in enumerate(on_gpu) if g]} "
             f"and other values at {[i for i, g in enumerate(on_gpu) if not g]}"
         )
-    _check_allreduce_inputs([dtype_of(x) for x in xs], float(prescale_factor),
-                            float(postscale_factor))
+    _check_allreduce_inputs([dtype_of(x) for x in xs])
     if on_gpu[0]:
+        if group is not context.get():
+            raise NotImplementedError(
+                "`process_set` is not supported for cupy values yet. "
+                f"Received: process_set={process_set!r}"
+            )
         from keras_dist.tensor import gpu
 
-        return gpu.grouped_allreduce(list(xs), op, float(prescale_factor),
-                                     float(postscale_factor), compression, COUNTERS)
+        return gpu.grouped_allreduce(list(xs), op, prescale, postscale, compression, COUNTERS)
     compressed, contexts = zip(*(compression.compress(unwrap(x)) for x in xs))
     results = run(
         compressed,
-        lambda arrays: _allreduce_arrays(arrays, op, float(prescale_factor),
-                                         float(postscale_factor), name or "allreduce"),
+        lambda arrays: _allreduce_arrays(arrays, op, prescale, postscale,
+                                         name or "allreduce", group),
         "allreduce",
+        grad=tf_ops.allreduce_grad(op, prescale, postscale, process_set),
     )
     return [compression.decompress(r, c) for r, c in zip(results, contexts)]
 
 
-def allgather(x, name: str | None = None):
-    """Concatenates ``x`` from every rank along the first dimension, in rank order.
+def _check_sparse(op: ReduceOp, prescale: float, postscale: float) -> None:
+    if op not in (Average, _vocab.Sum):
+        raise NotImplementedError(
+            "`allreduce` of `IndexedSlices` supports op=Sum and op=Average only. "
+            f"Received: op={op}"
+        )
+    if prescale != 1.0 or postscale != 1.0:
+        raise NotImplementedError(
+            "`allreduce` of `IndexedSlices` does not scale. "
+            f"Received: prescale_factor={prescale}, postscale_factor={postscale}"
+        )
+
+
+def _allreduce_sparse(x, op: ReduceOp, name: str | None, group, process_set):
+    """An ``IndexedSlices`` reduced as Horovod does: every rank's rows, gathered."""
+    values = allgather(x.values, name=name and f"{name} values", process_set=process_set)
+    with conversions.after([values]):
+        indices = allgather(x.indices, name=name and f"{name} indices",
+                            process_set=process_set)
+    return tf_ops.indexed_slices(values, indices, x.dense_shape,
+                                 group.size if op is Average else None)
+
+
+@raising_tf_errors
+def allgather(x, name: str | None = None, process_set=None):
+    """Concatenates ``x`` from every rank of ``process_set`` along the first
+    dimension, in rank order.
 
     The first dimension may differ between ranks; the rest must match. A
-    scalar counts as a vector of one element.
+    scalar counts as a vector of one element. Any fixed-size dtype (bool
+    included) travels.
+
+    Raises:
+        CollectiveMismatchError: ranks passed different dtypes or shapes past
+            the first dimension (also ``tf.errors.FailedPreconditionError``
+            for TF values).
     """
-    context.get()
-    _check_dtypes([dtype_of(x)], "allgather")
-    return run([x], lambda arrays: [_allgather_array(arrays[0], name or "allgather")],
-                "allgather", shapes=lambda s: [None, *s[1:]])[0]
+    group = context.group_for(process_set)
+    _check_byte_dtypes([dtype_of(x)], "allgather")
+    return run([x], lambda arrays: [_allgather_array(arrays[0], name or "allgather", group)],
+               "allgather", shapes=lambda shapes: [[None, *shapes[0][1:]]],
+               grad=tf_ops.allgather_grad(process_set))[0]
 
 
-def broadcast(x, root_rank: int, name: str | None = None):
-    """Returns ``root_rank``'s ``x`` on every rank. Shapes and dtypes must match."""
-    group = context.get()
-    root = _check_root(root_rank, group.size)
-    _check_broadcast_dtypes([dtype_of(x)], "broadcast")
-    return run([x], lambda arrays: _broadcast_arrays(arrays, root, name or "broadcast"),
-                "broadcast")[0]
+@raising_tf_errors
+def broadcast(x, root_rank: int, name: str | None = None, process_set=None):
+    """Returns ``root_rank``'s ``x`` on every rank of ``process_set``.
 
-
-def broadcast_variables(variables: Sequence, root_rank: int = 0) -> None:
-    """Assigns ``root_rank``'s values to ``variables`` (Keras or TF) on every rank.
-
-    All variables travel in fused buckets, one transport call per dtype bucket.
-    Works eagerly and inside a ``tf.function`` (one op for all variables,
-    then the assignments).
+    Shapes and dtypes must match; ``root_rank`` is a job rank (a member of the set).
     """
-    group = context.get()
-    root = _check_root(root_rank, group.size)
+    group = context.group_for(process_set)
+    root = _check_root(root_rank, group)
+    _check_byte_dtypes([dtype_of(x)], "broadcast")
+    return run([x], lambda arrays: _broadcast_arrays(arrays, root, name or "broadcast", group),
+               "broadcast", grad=tf_ops.broadcast_grad(root, group.rank, process_set))[0]
+
+
+def _check_variables(variables) -> list:
     variables = list(variables)
     for index, variable in enumerate(variables):
         if not callable(getattr(variable, "assign", None)):
@@ -320,19 +452,63 @@ def broadcast_variables(variables: Sequence, root_rank: int = 0) -> None:
                 "`variables` must be Keras or TensorFlow variables. "
                 f"Received: {type(variable).__name__} at position {index}"
             )
-    _check_broadcast_dtypes([dtype_of(v) for v in variables], "broadcast_variables")
-    if group.size == 1 or not variables:
-        return
-    values = run(variables, lambda arrays: _broadcast_arrays(arrays, root, "broadcast_variables"),
-                 "broadcast_variables")
-    for variable, value in zip(variables, values):
-        variable.assign(value)
+    return variables
 
 
-def broadcast_object(obj, root_rank: int = 0):
-    """Returns ``root_rank``'s picklable ``obj`` on every rank."""
-    group = context.get()
-    root = _check_root(root_rank, group.size)
+@raising_tf_errors
+def broadcast_(variables: Sequence, root_rank: int, name: str | None = None,
+               process_set=None) -> list:
+    """Assigns ``root_rank``'s values to ``variables`` in place and returns them.
+
+    Works eagerly, in a ``tf.function`` and in a TF1 graph (where the
+    returned values carry the assignments: evaluating them broadcasts).
+
+    Returns:
+        The variables' new values, one per variable.
+    """
+    return _broadcast_in_place(variables, root_rank, name or "broadcast_", process_set)
+
+
+@raising_tf_errors
+def broadcast_variables(variables: Sequence, root_rank: int = 0, process_set=None):
+    """Assigns ``root_rank``'s values to ``variables`` (Keras or TF) on every rank.
+
+    All variables travel in fused buckets, one transport call per dtype bucket.
+    Works eagerly and inside a ``tf.function`` (one op for all variables,
+    then the assignments).
+
+    Returns:
+        None; in a TF1 graph, the op that runs the broadcast.
+    """
+    values = _broadcast_in_place(variables, root_rank, "broadcast_variables", process_set)
+    if values and not conversions.executing_eagerly():
+        return conversions.group_op(values)
+    return None
+
+
+def _broadcast_in_place(variables: Sequence, root_rank: int, name: str, process_set) -> list:
+    group = context.group_for(process_set)
+    root = _check_root(root_rank, group)
+    variables = list(variables)
+    for index, variable in enumerate(variables):
+        if not callable(getattr(variable, "assign", None)):
+            raise TypeError(
+                "`variables` must be Keras or TensorFlow variables. "
+                f"Received: {type(variable).__name__} at position {index}"
+            )
+    _check_byte_dtypes([dtype_of(v) for v in variables], name)
+    if not variables:
+        return []
+    if group.size == 1:
+        return conversions.assign_and_read(variables, None)
+    values = run(variables, lambda arrays: _broadcast_arrays(arrays, root, name, group), name)
+    return conversions.assign_and_read(variables, values)
+
+
+def broadcast_object(obj, root_rank: int = 0, process_set=None):
+    """Returns ``root_rank``'s picklable ``obj`` on every rank of ``process_set``."""
+    group = context.group_for(process_set)
+    root = _check_root(root_rank, group)
     # Pickled at every size: an object that cannot travel fails at one rank too.
     pickled = pickle.dumps(obj) if group.rank == root else None
     if group.size == 1:
@@ -349,23 +525,24 @@ def broadcast_object(obj, root_rank: int = 0):
     return obj if group.rank == root else pickle.loads(payload.tobytes())
 
 
-def allgather_object(obj) -> list:
+def allgather_object(obj, process_set=None) -> list:
     """Returns the list of every rank's picklable ``obj``, in rank order."""
-    group = context.get()
+    group = context.group_for(process_set)
     pickled = pickle.dumps(obj)  # at every size, as for broadcast_object
     if group.size == 1:
         return [obj]
     payload = np.frombuffer(pickled, np.uint8)
-    lengths = _allgather_array(np.array([payload.size], np.int64), "allgather_object lengths")
-    gathered = _allgather_array(payload, "allgather_object")
+    lengths = _allgather_array(np.array([payload.size], np.int64), "allgather_object lengths",
+                               group)
+    gathered = _allgather_array(payload, "allgather_object", group)
     COUNTERS["allgather_object"] += 1
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     return [pickle.loads(gathered[offsets[r] : offsets[r + 1]].tobytes())
             for r in range(group.size)]
 
 
-def barrier() -> None:
-    """Returns once every rank has called ``barrier``."""
-    group = context.get()
+def barrier(process_set=None) -> None:
+    """Returns once every rank of ``process_set`` has called ``barrier``."""
+    group = context.group_for(process_set)
     group.transport.barrier()
     COUNTERS["barrier"] += 1
