@@ -53,12 +53,24 @@ from keras_dist.ops import (
     allgather,
     allgather_object,
     allreduce,
+    alltoall,
     barrier,
     broadcast,
+    broadcast_,
     broadcast_object,
     broadcast_variables,
+    grouped_allgather,
     grouped_allreduce,
+    grouped_reducescatter,
+    reducescatter,
 )
+from keras_dist.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from keras_dist.tensor.join import join
 
 __version__ = "0.1.0"
 
@@ -66,6 +78,8 @@ __version__ = "0.1.0"
 # takes seconds: it loads on first use, so the collectives alone stay light.
 _LAZY = {
     "DistributedOptimizer": ("keras_dist._keras.optimizer", "DistributedOptimizer"),
+    "PartialDistributedOptimizer": (
+        "keras_dist._keras.optimizer", "PartialDistributedOptimizer"),
     "DistributedGradientTape": ("keras_dist._keras.gradient_tape", "DistributedGradientTape"),
     "PartialDistributedGradientTape": (
         "keras_dist._keras.gradient_tape", "PartialDistributedGradientTape"),
@@ -77,6 +91,9 @@ _LAZY = {
     "rank_op": ("keras_dist.tensor.tf_ops", "rank_op"),
     "local_size_op": ("keras_dist.tensor.tf_ops", "local_size_op"),
     "local_rank_op": ("keras_dist.tensor.tf_ops", "local_rank_op"),
+    "broadcast_global_variables": ("keras_dist.tensor.tf_ops", "broadcast_global_variables"),
+    "process_set_included_op": ("keras_dist.tensor.tf_ops", "process_set_included_op"),
+    "broadcast_object_fn": ("keras_dist.tensor.tf_ops", "broadcast_object_fn"),
 }
 
 
@@ -122,15 +139,24 @@ def cross_rank() -> int:
     return _get().cross_rank
 
 
+def is_homogeneous() -> bool:
+    """Whether every machine of the job runs the same number of ranks."""
+    return _get().homogeneous
+
+
 __all__ = [
     "Average", "CollectiveMismatchError", "CollectiveTimeoutError", "Compression",
     "DistributedGradientTape", "DistributedOptimizer", "KerasDistError", "Max", "Min",
-    "NotInitializedError", "PartialDistributedGradientTape", "PeerFailureError", "Product",
-    "ReduceOp", "StallWarning", "Sum", "SyncBatchNormalization", "TransportError", "allgather",
-    "allgather_object", "allreduce", "barrier", "broadcast", "broadcast_object",
+    "NotInitializedError", "PartialDistributedGradientTape", "PartialDistributedOptimizer",
+    "PeerFailureError", "ProcessSet", "Product", "ReduceOp", "StallWarning", "Sum",
+    "SyncBatchNormalization", "TransportError", "add_process_set", "allgather",
+    "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
+    "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
     "broadcast_variables", "callbacks", "ccl_built", "cross_rank", "cross_size", "cuda_built",
-    "ddl_built", "gloo_built", "gloo_enabled", "grouped_allreduce", "init", "is_initialized",
-    "load_model", "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built",
-    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "rank_op", "rocm_built",
-    "shard", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
+    "ddl_built", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "grouped_allreduce", "grouped_reducescatter", "init", "is_homogeneous", "is_initialized",
+    "join", "load_model", "local_rank", "local_rank_op", "local_size", "local_size_op",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
+    "process_set_included_op", "rank", "rank_op", "reducescatter", "remove_process_set",
+    "rocm_built", "shard", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
 ]
