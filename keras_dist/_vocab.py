@@ -34,6 +34,7 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
+    ADASUM = "adasum"
 
 
 Average = ReduceOp.AVERAGE
@@ -41,8 +42,11 @@ Sum = ReduceOp.SUM
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
+#: Adaptive summation (``keras_dist.tensor.adasum``): no transport op of its own.
+Adasum = ReduceOp.ADASUM
 
-#: The transport's op code for each public op (``Average`` is a sum, then a scale).
+#: The transport's op code for each public op (``Average`` is a sum, then a scale;
+#: ``Adasum`` is computed from an allgather, so it has none).
 TRANSPORT_OPS = {
     ReduceOp.AVERAGE: SUM,
     ReduceOp.SUM: SUM,

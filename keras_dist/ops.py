@@ -1,6 +1,6 @@
 """Public path of the tensor layer's collectives (``keras_dist.tensor.ops``)."""
 
-from keras_dist._vocab import Average, Max, Min, Product, ReduceOp, Sum
+from keras_dist._vocab import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from keras_dist.tensor.compression import Compression
 from keras_dist.tensor.exchange import (
     alltoall,
@@ -22,7 +22,7 @@ from keras_dist.tensor.ops import (
 )
 
 __all__ = [
-    "COUNTERS", "Average", "Compression", "Max", "Min", "Product", "ReduceOp", "Sum",
+    "COUNTERS", "Adasum", "Average", "Compression", "Max", "Min", "Product", "ReduceOp", "Sum",
     "allgather", "allgather_object", "allreduce", "barrier", "broadcast", "broadcast_",
     "broadcast_object", "broadcast_variables", "grouped_allreduce",
     "alltoall", "grouped_allgather", "grouped_reducescatter", "reducescatter",
