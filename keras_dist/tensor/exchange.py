@@ -162,7 +162,7 @@ def _alltoall_arrays(x: np.ndarray, splits: np.ndarray | None, name: str,
     out = outputs.POOL.empty((int(received_splits.sum()), *x.shape[1:]), x.dtype)
     if sent_bytes.sum():
         gathered = np.empty(int(sent_bytes.sum()), np.uint8)
-        with timeline.activity(name, "alltoall", gathered.nbytes):
+        with timeline.activity(name, "alltoall", gathered.nbytes, group.transport):
             group.transport.allgatherv(
                 x.reshape(-1).view(np.uint8)[: sent_bytes[me]], gathered,
                 sent_bytes.tolist(), name=_describe_alltoall(name, x, matrix))
@@ -287,7 +287,7 @@ def _grouped_allgather_arrays(arrays: list[np.ndarray], name: str, group) -> lis
                for i, a in enumerate(arrays)]
     if not sent_bytes.sum():
         return results
-    with timeline.activity(name, "allgather", int(sent_bytes.sum())):
+    with timeline.activity(name, "allgather", int(sent_bytes.sum()), group.transport):
         if count == 1:  # straight into the result
             group.transport.allgatherv(arrays[0].reshape(-1).view(np.uint8),
                                        results[0].reshape(-1).view(np.uint8),

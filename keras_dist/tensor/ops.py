@@ -19,16 +19,18 @@ from keras_dist import _vocab
 from keras_dist._runtime import context, timeline
 from keras_dist._vocab import Average, ReduceOp
 from keras_dist.errors import CollectiveMismatchError
-from keras_dist.tensor import conversions, fusion, outputs, tf_ops
+from keras_dist.tensor import adasum, conversions, fusion, outputs, tf_ops
 from keras_dist.tensor.compression import Compression
 from keras_dist.tensor.conversions import (
     dtype_of,
     is_cupy,
     is_indexed_slices,
+    not_converted_by_autograph,
     raising_tf_errors,
     run,
     unwrap,
 )
+from keras_dist.transports.joinable import JoinableTransport
 
 #: Transport calls made by this process, by collective ("allreduce", ...).
 #: One fused bucket is one call. Tests count collectives with it.
@@ -148,7 +150,7 @@ def _allreduce_numpy(x: np.ndarray, op: ReduceOp, prescale: float, postscale: fl
     else:
         np.copyto(out, x)
     if out.size:
-        with timeline.activity(name, "allreduce", out.nbytes):
+        with timeline.activity(name, "allreduce", out.nbytes, group.transport):
             group.transport.allreduce(out.reshape(-1), _vocab.TRANSPORT_OPS[op], name=_describe(
                 f"{name} {op.value}", ((x.shape, x.dtype.str),), 1), send=send)
         COUNTERS["allreduce"] += 1
@@ -167,7 +169,8 @@ def _describe(prefix: str, members: tuple, group_length: int) -> str:
 
 
 def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
-                      postscale: float, name: str, group=None) -> list[np.ndarray]:
+                      postscale: float, name: str, group=None,
+                      labels: list[str] | None = None) -> list[np.ndarray]:
     group = group or context.get()
     _check_allreduce_inputs([a.dtype for a in arrays])
     if group.size == 1:
@@ -177,7 +180,8 @@ def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
     transport = group.transport
     code = _vocab.TRANSPORT_OPS[op]
     outputs: list[np.ndarray | None] = list(arrays)  # empty arrays pass through
-    with timeline.activity(name, "allreduce", sum(a.nbytes for a in arrays)):
+    with timeline.activity(name, "allreduce", sum(a.nbytes for a in arrays), transport,
+                           labels):
         for bucket in fusion.plan_buckets(arrays, group.config.fusion_threshold_bytes):
             members = [arrays[i] for i in bucket]
             dtype = members[0].dtype
@@ -208,7 +212,8 @@ def _broadcast_arrays(arrays: list[np.ndarray], root: int, name: str,
     if group.size == 1:
         return arrays
     outputs = [np.array(a, copy=True) for a in arrays]
-    with timeline.activity(name, "broadcast", sum(a.nbytes for a in arrays)):
+    with timeline.activity(name, "broadcast", sum(a.nbytes for a in arrays),
+                           group.transport):
         for bucket in fusion.plan_buckets(outputs, group.config.fusion_threshold_bytes):
             members = [outputs[i] for i in bucket]
             dtype = members[0].dtype
@@ -236,6 +241,23 @@ def _dtype_name(number: int) -> str:
     return f"dtype #{number}"
 
 
+_GATHER_HEADER = 2 + _MAX_GATHER_NDIM
+
+
+def _gather_mismatch(headers: np.ndarray, dtype: np.dtype) -> CollectiveMismatchError:
+    """The error for ranks whose allgather headers (``[ndim, dtype.num, *shape]``
+    per rank; this rank's dtype is ``dtype``) disagree."""
+    shapes = [tuple(int(d) for d in h[2 : 2 + h[0]]) for h in headers]
+    names = {int(h[1]): _dtype_name(int(h[1])) for h in headers}
+    names[dtype.num] = dtype.name
+    detail = ", ".join(f"rank {r}: shape={shape} dtype={names[int(h[1])]}"
+                       for r, (h, shape) in enumerate(zip(headers, shapes)))
+    return CollectiveMismatchError(
+        "`allgather` needs the same dtype and the same shape past the first "
+        f"dimension on every rank. Received: {detail}"
+    )
+
+
 def _allgather_array(array: np.ndarray, name: str, group=None) -> np.ndarray:
     group = group or context.get()
     array = np.ascontiguousarray(array)
@@ -248,7 +270,7 @@ def _allgather_array(array: np.ndarray, name: str, group=None) -> np.ndarray:
     if group.size == 1:
         return array.copy()
     # Shapes first: ranks may differ in the first dimension only.
-    header = np.zeros(2 + _MAX_GATHER_NDIM, np.int64)
+    header = np.zeros(_GATHER_HEADER, np.int64)
     header[:2] = array.ndim, array.dtype.num
     header[2 : 2 + array.ndim] = array.shape
     headers = np.empty(header.size * group.size, np.int64)
@@ -258,22 +280,108 @@ def _allgather_array(array: np.ndarray, name: str, group=None) -> np.ndarray:
     shapes = [tuple(int(d) for d in h[2 : 2 + h[0]]) for h in headers]
     if any((h[0], h[1]) != (headers[0][0], headers[0][1]) or shape[1:] != shapes[0][1:]
            for h, shape in zip(headers, shapes)):
-        names = {int(h[1]): _dtype_name(int(h[1])) for h in headers}
-        names[array.dtype.num] = array.dtype.name
-        detail = ", ".join(f"rank {r}: shape={shape} dtype={names[int(h[1])]}"
-                           for r, (h, shape) in enumerate(zip(headers, shapes)))
-        raise CollectiveMismatchError(
-            "`allgather` needs the same dtype and the same shape past the first "
-            f"dimension on every rank. Received: {detail}"
-        )
+        raise _gather_mismatch(headers, array.dtype)
     row_bytes = int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize
     counts = [shape[0] * row_bytes for shape in shapes]
     out = outputs.POOL.empty((sum(shape[0] for shape in shapes), *array.shape[1:]), array.dtype)
-    with timeline.activity(name, "allgather", out.nbytes):
+    with timeline.activity(name, "allgather", out.nbytes, group.transport):
         group.transport.allgatherv(array.reshape(-1).view(np.uint8),
                                    out.reshape(-1).view(np.uint8), counts, name=name)
     COUNTERS["allgather"] += 1
     return out
+
+
+# ---------------------------------------------------------------------------
+# One-call paths. A small C-contiguous numpy array, with no option set, on the
+# job's shm transport goes to the engine in one native call, which validates
+# it, names the call as the general path does (``_describe``: peers may take
+# either path) and returns a new array, or None for anything else; the
+# general path then runs and makes every check.
+
+_NO_COMPRESSION = Compression.none
+#: The one-call allreduce's index of each public op (``ShmTransport.allreduce_array``).
+_ONE_CALL_OPS = {None: 0, Average: 0, _vocab.Sum: 1, _vocab.Min: 2, _vocab.Max: 3,
+                 _vocab.Product: 4}
+#: (group, its shm transport when that serves one-call collectives, else None),
+#: looked up once per group.
+_one_call: tuple = (None, None)
+
+
+def _one_call_transport():
+    """The shm transport under the job's join layer when it serves one-call
+    collectives (a job on one machine, no timeline recording), else None."""
+    global _one_call
+    group = context.get()
+    if _one_call[0] is not group:
+        inner = getattr(group.transport, "inner", None)
+        if not (isinstance(group.transport, JoinableTransport)
+                and callable(getattr(inner, "allreduce_array", None))
+                and inner.size == group.size):
+            inner = None
+        _one_call = (group, inner)
+    if timeline.enabled():  # the general path records the call
+        return None
+    return _one_call[1]
+
+
+def _allreduce_one_call(x: np.ndarray, op, name) -> np.ndarray | None:
+    """``allreduce(x, op, name)`` of the job in one native call, or None."""
+    transport = _one_call_transport()
+    if transport is None:
+        return None
+    try:
+        index = _ONE_CALL_OPS[op]
+    except (KeyError, TypeError):  # not an op: the general path says so
+        return None
+    try:
+        result = transport.allreduce_array(x, index, name)
+    except CollectiveMismatchError as error:  # ranks may have joined: as the general path
+        op = op or Average
+        group = context.get()
+        described = _describe(f"{name or 'allreduce'} {op.value}", ((x.shape, x.dtype.str),), 1)
+        result = group.transport.allreduce_mismatched(
+            error, x.reshape(-1), _vocab.TRANSPORT_OPS[op], described).reshape(x.shape)
+        _finish(result, op, group.size, 1.0)
+    if result is not None:
+        COUNTERS["allreduce"] += 1
+    return result
+
+
+def _broadcast_one_call(x: np.ndarray, root_rank, name) -> np.ndarray | None:
+    """``broadcast(x, root_rank, name)`` of the job in one native call, or None."""
+    transport = _one_call_transport()
+    if transport is None:
+        return None
+    try:
+        result = transport.broadcast_array(x, root_rank, name)
+    except CollectiveMismatchError as error:
+        context.get().transport.raise_mismatched(
+            error, "broadcast", x.reshape(-1).view(np.uint8),
+            _describe(name or "broadcast", ((x.shape, x.dtype.str),), 1), root_rank)
+        raise  # raise_mismatched raises; never reached
+    if result is not None:
+        COUNTERS["broadcast"] += 1
+    return result
+
+
+def _allgather_one_call(x: np.ndarray, name) -> np.ndarray | None:
+    """``allgather(x, name)`` of the job in one native call, or None."""
+    transport = _one_call_transport()
+    if transport is None:
+        return None
+    label = name or "allgather"
+    try:
+        result = transport.allgather_array(x, name)
+    except CollectiveMismatchError as error:  # at the shapes' step, the first
+        context.get().transport.raise_mismatched(
+            error, "allgather", np.zeros(_GATHER_HEADER, np.int64), f"{label} shapes")
+        raise  # raise_mismatched raises; never reached
+    if type(result) is bytes:
+        headers = np.frombuffer(result, np.int64).reshape(-1, _GATHER_HEADER)
+        raise _gather_mismatch(headers, x.dtype)
+    if result is not None:
+        COUNTERS["allgather"] += 1
+    return result
 
 
 # ---------------------------------------------------------------------------
@@ -282,7 +390,7 @@ def _allgather_array(array: np.ndarray, name: str, group=None) -> np.ndarray:
 # transport.
 
 
-@raising_tf_errors
+@not_converted_by_autograph
 def allreduce(x, op: ReduceOp | None = None, name: str | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               compression=Compression.none, average: bool | None = None, process_set=None):
@@ -291,8 +399,10 @@ def allreduce(x, op: ReduceOp | None = None, name: str | None = None,
     Args:
         x: a numpy array, Python scalar, TF tensor (eager or symbolic), TF
             ``IndexedSlices``, Keras variable or cupy array.
-        op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
-            ``Average`` of integers rounds down.
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or
+            ``Adasum`` (floating dtypes, the whole job, a power-of-2 number of
+            ranks; see ``keras_dist.tensor.adasum``). ``Average`` of integers
+            rounds down.
         name: a label for the timeline.
         prescale_factor: multiplies ``x`` before the reduction.
         postscale_factor: multiplies the result. Integers are scaled in
@@ -311,8 +421,22 @@ def allreduce(x, op: ReduceOp | None = None, name: str | None = None,
         CollectiveMismatchError: ranks passed different shapes or dtypes
             (also ``tf.errors.FailedPreconditionError`` for TF values).
     """
+    if (type(x) is np.ndarray and process_set is None and average is None
+            and compression is _NO_COMPRESSION
+            and prescale_factor == 1.0 and postscale_factor == 1.0):
+        result = _allreduce_one_call(x, op, name)
+        if result is not None:
+            return result
+    return _allreduce(x, op, name, prescale_factor, postscale_factor, compression, average,
+                      process_set)
+
+
+@raising_tf_errors
+def _allreduce(x, op, name, prescale_factor, postscale_factor, compression, average,
+               process_set):
+    """``allreduce``'s general path: every kind of value, every option."""
     op = _check_op(op, average)
-    if type(x) is np.ndarray and compression is Compression.none:
+    if type(x) is np.ndarray and compression is Compression.none and op is not _vocab.Adasum:
         return _allreduce_numpy(x, op, float(prescale_factor), float(postscale_factor),
                                 name or "allreduce", context.group_for(process_set))
     return grouped_allreduce([x], op=op, name=name, prescale_factor=prescale_factor,
@@ -367,6 +491,10 @@ def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale:
             f"and other values at {[i for i, g in enumerate(on_gpu) if not g]}"
         )
     _check_allreduce_inputs([dtype_of(x) for x in xs])
+    reduce_arrays = _allreduce_arrays
+    if op is _vocab.Adasum:
+        adasum.check_inputs([dtype_of(x) for x in xs], group, on_gpu[0])
+        reduce_arrays = functools.partial(adasum.allreduce_arrays, gather=_allgather_array)
     if on_gpu[0]:
         if group is not context.get():
             raise NotImplementedError(
@@ -377,10 +505,11 @@ def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale:
 
         return gpu.grouped_allreduce(list(xs), op, prescale, postscale, compression, COUNTERS)
     compressed, contexts = zip(*(compression.compress(unwrap(x)) for x in xs))
+    labels = timeline.current_names()  # read now: a traced step runs the call later
     results = run(
         compressed,
-        lambda arrays: _allreduce_arrays(arrays, op, prescale, postscale,
-                                         name or "allreduce", group),
+        lambda arrays: reduce_arrays(arrays, op, prescale, postscale,
+                                     name or "allreduce", group, labels),
         "allreduce",
         grad=tf_ops.allreduce_grad(op, prescale, postscale, process_set),
     )
@@ -410,7 +539,7 @@ def _allreduce_sparse(x, op: ReduceOp, name: str | None, group, process_set):
                                  group.size if op is Average else None)
 
 
-@raising_tf_errors
+@not_converted_by_autograph
 def allgather(x, name: str | None = None, process_set=None):
     """Concatenates ``x`` from every rank of ``process_set`` along the first
     dimension, in rank order.
@@ -424,6 +553,16 @@ def allgather(x, name: str | None = None, process_set=None):
             the first dimension (also ``tf.errors.FailedPreconditionError``
             for TF values).
     """
+    if type(x) is np.ndarray and process_set is None:
+        result = _allgather_one_call(x, name)
+        if result is not None:
+            return result
+    return _allgather(x, name, process_set)
+
+
+@raising_tf_errors
+def _allgather(x, name: str | None, process_set):
+    """``allgather``'s general path."""
     group = context.group_for(process_set)
     _check_byte_dtypes([dtype_of(x)], "allgather")
     return run([x], lambda arrays: [_allgather_array(arrays[0], name or "allgather", group)],
@@ -431,12 +570,22 @@ def allgather(x, name: str | None = None, process_set=None):
                grad=tf_ops.allgather_grad(process_set))[0]
 
 
-@raising_tf_errors
+@not_converted_by_autograph
 def broadcast(x, root_rank: int, name: str | None = None, process_set=None):
     """Returns ``root_rank``'s ``x`` on every rank of ``process_set``.
 
     Shapes and dtypes must match; ``root_rank`` is a job rank (a member of the set).
     """
+    if type(x) is np.ndarray and process_set is None:
+        result = _broadcast_one_call(x, root_rank, name)
+        if result is not None:
+            return result
+    return _broadcast(x, root_rank, name, process_set)
+
+
+@raising_tf_errors
+def _broadcast(x, root_rank: int, name: str | None, process_set):
+    """``broadcast``'s general path."""
     group = context.group_for(process_set)
     root = _check_root(root_rank, group)
     _check_byte_dtypes([dtype_of(x)], "broadcast")
@@ -489,13 +638,7 @@ def broadcast_variables(variables: Sequence, root_rank: int = 0, process_set=Non
 def _broadcast_in_place(variables: Sequence, root_rank: int, name: str, process_set) -> list:
     group = context.group_for(process_set)
     root = _check_root(root_rank, group)
-    variables = list(variables)
-    for index, variable in enumerate(variables):
-        if not callable(getattr(variable, "assign", None)):
-            raise TypeError(
-                "`variables` must be Keras or TensorFlow variables. "
-                f"Received: {type(variable).__name__} at position {index}"
-            )
+    variables = _check_variables(variables)
     _check_byte_dtypes([dtype_of(v) for v in variables], name)
     if not variables:
         return []

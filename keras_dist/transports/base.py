@@ -63,6 +63,11 @@ class Transport(abc.ABC):
             self._scratch = np.empty(max(nbytes, 2 * self._scratch.nbytes), np.uint8)
         return self._scratch[:nbytes]
 
+    def wait_seconds(self) -> float | None:
+        """Seconds spent waiting for peers in collectives so far, or None when
+        the transport cannot tell (the timeline then shows whole calls)."""
+        return None
+
     def close(self) -> None:
         """Releases the transport's resources; safe to call twice."""
         return None

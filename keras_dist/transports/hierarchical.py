@@ -238,6 +238,10 @@ class HierarchicalTransport(Transport):
         title = "collective" if "collective" in differing else kind
         return f"{title} mismatch between machines: " + ", ".join(described)
 
+    def wait_seconds(self) -> float | None:
+        """Waits inside this machine only: time in MPI between machines counts as moving data."""
+        return self._local.wait_seconds()
+
     def close(self) -> None:
         """Leaves the group (first, so that no peer waits on this rank), then
         releases both levels."""

@@ -93,6 +93,9 @@ class JoinableTransport(Transport):
     def __getattr__(self, attribute):
         return getattr(self.__dict__["inner"], attribute)
 
+    def wait_seconds(self) -> float | None:
+        return self.inner.wait_seconds()
+
     # -- collectives -------------------------------------------------------
 
     def allreduce(self, buf: np.ndarray, op: int, name: str | None = None,
@@ -108,17 +111,39 @@ class JoinableTransport(Transport):
             self.inner.allreduce(buf, op, name, send)
             return None
         except CollectiveMismatchError as error:
-            # Nothing has moved yet: keep the input before the exchange reuses buffers.
-            saved = np.array(buf if send is None else send, copy=True)
-            record = self._record("allreduce", saved.dtype, saved.size, op, -1, name)
-            records = self._exchange_after(error, record)
-            self._refuse_unless_allreduce(error, records, "allreduce")
-            result = np.empty_like(saved)
-            self.inner.allreduce(result, op, self._joined_name(record), send=saved)
+            result = self.allreduce_mismatched(error, buf if send is None else send, op, name)
             if np.may_share_memory(buf, self._scratch_view):
                 return result
             buf[...] = result
             return None
+
+    def allreduce_mismatched(self, error: CollectiveMismatchError, send: np.ndarray, op: int,
+                             name: str | None) -> np.ndarray:
+        """The result of an allreduce of ``send`` whose wrapped call raised ``error``.
+
+        For allreduces made on the wrapped transport directly (its one-call
+        collectives) as well as through ``allreduce``: runs the exchange
+        every rank makes after a mismatch, then the allreduce again with the
+        joined ranks' contribution, or raises (``error``, or why not).
+        """
+        # Nothing has moved yet: keep the input before the exchange reuses buffers.
+        saved = np.array(send, copy=True)
+        record = self._record("allreduce", saved.dtype, saved.size, op, -1, name)
+        records = self._exchange_after(error, record)
+        self._refuse_unless_allreduce(error, records, "allreduce")
+        result = np.empty_like(saved)
+        self.inner.allreduce(result, op, self._joined_name(record), send=saved)
+        return result
+
+    def raise_mismatched(self, error: CollectiveMismatchError, kind: str, send: np.ndarray,
+                         name: str | None, root: int = -1) -> None:
+        """Raises for a ``kind`` collective ("broadcast", "allgather") of ``send`` whose
+        call on the wrapped transport raised ``error``, after the exchange every rank
+        makes (as ``broadcast`` and ``allgatherv`` do)."""
+        records = self._exchange_after(error, self._record(kind, send.dtype, send.size, -1,
+                                                           root, name))
+        self._refuse_unless_allreduce(error, records, kind, always=True)
+        raise error
 
     def broadcast(self, buf: np.ndarray, root: int, name: str | None = None) -> None:
         self._guard("broadcast", lambda: self.inner.broadcast(buf, root, name),

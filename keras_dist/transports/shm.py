@@ -189,6 +189,53 @@ class ShmTransport(Transport):
         except _NATIVE_ERRORS as exc:
             raise _translate(exc) from None
 
+    # -- one-call collectives of small numpy arrays ------------------------
+
+    def _one_call(self, method: str, *args):
+        """The engine's one-call ``method``; None when the transport is closed."""
+        engine = self._engine
+        if engine is None:
+            return None
+        try:
+            return getattr(engine, method)(*args)
+        except _NATIVE_ERRORS as exc:
+            raise _translate(exc) from None
+
+    def allreduce_array(self, x: np.ndarray, op: int, name: str | None) -> np.ndarray | None:
+        """``kd.allreduce(x, op, name)`` of a small C-contiguous numpy array, in one native call.
+
+        Args:
+            x: the array (not modified).
+            op: the public op: 0 Average, 1 Sum, 2 Min, 3 Max, 4 Product.
+            name: the caller's label (None: "allreduce").
+
+        Returns:
+            A new array holding the result, or None where the caller must take
+            its general path (another kind of array, dtype or size, or the
+            transport is closed); then nothing has been exchanged.
+        """
+        return self._one_call("allreduce_array", x, op, name)
+
+    def broadcast_array(self, x: np.ndarray, root: int, name: str | None) -> np.ndarray | None:
+        """``kd.broadcast(x, root, name)`` of a small C-contiguous numpy array, in one native call.
+
+        Returns a new array holding ``root``'s values, or None as ``allreduce_array`` does
+        (also for a ``root`` that is not a Python int in [0, size)).
+        """
+        return self._one_call("broadcast_array", x, root, name)
+
+    def allgather_array(self, x: np.ndarray, name: str | None) -> np.ndarray | bytes | None:
+        """``kd.allgather(x, name)`` of a small C-contiguous numpy array, in one native call.
+
+        Takes the same two steps as the general path (every rank's shape
+        header, then the data). Returns a new array; None as
+        ``allreduce_array`` does (nothing exchanged); or, when the ranks
+        disagree on the dtype or the shape past the first dimension, every
+        rank's header (int64 ``[ndim, dtype.num, *shape]`` padded to 10, as
+        bytes) for the caller to describe.
+        """
+        return self._one_call("allgather_array", x, name)
+
     # -- header-only steps (for transports built on this one) ---------------
 
     def check(self, kind: str, *, nbytes: int = 0, dtype: np.dtype | None = None, op: int = 0,
@@ -242,6 +289,10 @@ class ShmTransport(Transport):
             if view is not None:
                 return view
         return super().scratch(nbytes)
+
+    def wait_seconds(self) -> float | None:
+        engine = self._engine
+        return None if engine is None else engine.wait_seconds
 
     def _open_engine(self):
         engine = self._engine

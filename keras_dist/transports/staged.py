@@ -40,3 +40,6 @@ class HostStagedTransport(Transport):
 
     def barrier(self) -> None:
         self.cpu.barrier()
+
+    def wait_seconds(self) -> float | None:
+        return self.cpu.wait_seconds()

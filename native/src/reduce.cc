@@ -355,6 +355,51 @@ const char* simd_level() {
 
 void force_baseline(bool on) { g_force_baseline.store(on, std::memory_order_relaxed); }
 
+namespace {
+template <typename T>
+void scale_floats(void* buf, size_t count, T factor) {
+  T* v = static_cast<T*>(buf);
+  for (size_t i = 0; i < count; ++i) v[i] *= factor;
+}
+
+template <typename T>
+void floor_divide(void* buf, size_t count, int ranks) {
+  T* v = static_cast<T*>(buf);
+  const T d = T(ranks);
+  for (size_t i = 0; i < count; ++i) {
+    T q = T(v[i] / d);
+    if (std::is_signed<T>::value && v[i] % d != 0 && v[i] < 0) --q;  // toward -inf, as numpy
+    v[i] = q;
+  }
+}
+
+template <uint16_t (*to_half)(float), float (*from_half)(uint16_t)>
+void scale_halves(void* buf, size_t count, float factor) {
+  uint16_t* v = static_cast<uint16_t*>(buf);
+  for (size_t i = 0; i < count; ++i) v[i] = to_half(from_half(v[i]) * factor);
+}
+uint16_t f2h_fn(float f) { return f2h(f); }
+float h2f_fn(uint16_t h) { return h2f(h); }
+uint16_t f2b_fn(float f) { return f2b(f); }
+float b2f_fn(uint16_t b) { return b2f(b); }
+}  // namespace
+
+void average_inplace(void* buf, size_t count, DType dtype, int ranks) {
+  const double factor = 1.0 / double(ranks);
+  switch (dtype) {
+    case DType::kFloat16: return scale_halves<f2h_fn, h2f_fn>(buf, count, float(factor));
+    case DType::kBFloat16: return scale_halves<f2b_fn, b2f_fn>(buf, count, float(factor));
+    case DType::kFloat32: return scale_floats<float>(buf, count, float(factor));
+    case DType::kFloat64: return scale_floats<double>(buf, count, factor);
+    case DType::kInt32: return floor_divide<int32_t>(buf, count, ranks);
+    case DType::kInt64: return floor_divide<int64_t>(buf, count, ranks);
+    case DType::kUInt8: return floor_divide<uint8_t>(buf, count, ranks);
+    case DType::kInt8: return floor_divide<int8_t>(buf, count, ranks);
+    case DType::kInt16: return floor_divide<int16_t>(buf, count, ranks);
+    case DType::kUInt16: return floor_divide<uint16_t>(buf, count, ranks);
+  }
+}
+
 float half_to_float(uint16_t h) { return h2f(h); }
 uint16_t float_to_half(float f) { return f2h(f); }
 float bfloat16_to_float(uint16_t b) { return b2f(b); }

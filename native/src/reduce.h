@@ -44,6 +44,12 @@ void reduce_many(void* dst, const void* const* srcs, size_t nsrcs, size_t count,
 // dst[i] = op(dst[i], src[i]).
 void reduce_inplace(void* dst, const void* src, size_t count, DType dtype, Op op);
 
+// Turns a sum of `ranks` contributions in `buf` into their average, in place, as
+// keras_dist's Python side finishes one (keras_dist/_vocab.py finishing_scale with
+// numpy >= 2): floats times the factor 1/ranks rounded to the dtype (float16 and
+// bfloat16 computed in float32, rounded once), integers floor-divided by ranks.
+void average_inplace(void* buf, size_t count, DType dtype, int ranks);
+
 // Name of the kernel family in use: "avx2" or "baseline".
 const char* simd_level();
 // Tests only: use the baseline kernels even when the CPU has AVX2.

@@ -503,8 +503,14 @@ void ShmEngine::wait_all() {
     return true;
   };
   // The phases and their durations: wait_timings.h. Spin first, reading the
-  // clock every 64 polls only.
+  // clock every 64 polls only. Every way out adds the time waited to
+  // wait_seconds_.
   const double start = now_seconds();
+  struct AddWait {
+    double& total;
+    double start;
+    ~AddWait() { total += now_seconds() - start; }
+  } add_wait{wait_seconds_, start};
   for (uint32_t i = 1;; ++i) {
     if (all_arrived()) return;
     KD_PAUSE();

@@ -117,6 +117,11 @@ class ShmEngine {
   int local_size() const { return n_; }
   const std::string& name() const { return opt_.name; }
 
+  // Seconds this rank has spent waiting for peers inside collectives since
+  // the engine was made (every wait of every collective); the timeline reads
+  // it before and after a call to split the call into waiting and moving data.
+  double wait_seconds() const { return wait_seconds_; }
+
  private:
   struct Header;
   struct Probe;
@@ -170,6 +175,7 @@ class ShmEngine {
   bool broken_ = false;
   bool left_ = false;
   uint64_t step_ = 0;   // last step this rank published
+  double wait_seconds_ = 0.0;  // see wait_seconds()
   uint64_t coll_ = 0;   // collectives begun so far
   int next_buf_ = 0;    // data buffer the next write uses
   std::vector<const void*> srcs_;

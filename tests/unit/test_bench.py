@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from keras_dist import bench
+from keras_dist.bench import collectives as bench
 
 
 @pytest.mark.parametrize("text, expected", [

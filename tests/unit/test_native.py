@@ -195,3 +195,69 @@ def test_reduce_many_property(code, op, size, nsrcs, offset, seed):
     dst = raw[offset:]
     _native.reduce_many(dst, [s.view(np.uint8) for s in sources], code, op)
     assert np.array_equal(dst, reference(sources, dtype, op).view(np.uint8))
+
+
+# -- one-call collectives of numpy arrays, on an engine of one rank ----------
+
+
+@pytest.fixture
+def one_rank_engine():
+    import os
+    import secrets
+
+    engine = _native.ShmEngine(f"/kd-test-{os.getpid()}-{secrets.token_hex(4)}", True, 0, 1,
+                               1 << 16, [os.getpid()])
+    engine.attach()
+    yield engine
+    engine.leave()
+    engine.unlink()
+
+
+ARRAY_CALL_DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32,
+                     np.int64, np.longlong, np.uint8, np.uint16]
+
+
+@pytest.mark.parametrize("dtype", ARRAY_CALL_DTYPES)
+@pytest.mark.parametrize("shape", [(), (1,), (3, 4), (2, 0)])
+def test_array_calls_return_a_new_array(one_rank_engine, dtype, shape):
+    x = np.random.default_rng(7).integers(-50, 50, shape).astype(dtype)
+    before = x.copy()
+    for op in range(5):  # Average, Sum, Min, Max, Product: the identity on one rank
+        out = one_rank_engine.allreduce_array(x, op, "label")
+        assert type(out) is np.ndarray and out is not x and not np.shares_memory(out, x)
+        assert out.dtype == x.dtype and out.shape == x.shape and np.array_equal(out, x)
+    out = one_rank_engine.broadcast_array(x, 0, None)
+    assert out is not x and out.dtype == x.dtype and np.array_equal(out, x)
+    gathered = one_rank_engine.allgather_array(x, None)
+    assert gathered.dtype == x.dtype and gathered.shape == (x.shape or (1,))
+    assert np.array_equal(gathered.reshape(-1), x.reshape(-1))
+    assert np.array_equal(x, before), "the input changed"
+
+
+def test_array_calls_decline_what_the_general_path_must_serve(one_rank_engine):
+    engine = one_rank_engine
+    f32 = np.arange(8, dtype=np.float32)
+    declined = {
+        "strided": lambda: engine.allreduce_array(f32[::2], 1, None),
+        "complex allreduce": lambda: engine.allreduce_array(f32.view(np.complex64), 1, None),
+        "bool allreduce": lambda: engine.allreduce_array(np.ones(2, bool), 1, None),
+        "bfloat16": lambda: engine.allreduce_array(f32.astype(ml_dtypes.bfloat16), 1, None),
+        "big-endian": lambda: engine.allreduce_array(f32.astype(">f4"), 1, None),
+        "over 64 KiB": lambda: engine.allreduce_array(np.ones(16385, np.float32), 1, None),
+        "op -1": lambda: engine.allreduce_array(f32, -1, None),
+        "op 5": lambda: engine.allreduce_array(f32, 5, None),
+        "name not a str": lambda: engine.allreduce_array(f32, 1, 3),
+        "a list": lambda: engine.allreduce_array([1.0, 2.0], 1, None),
+        "root 1 of 1": lambda: engine.broadcast_array(f32, 1, None),
+        "root -1": lambda: engine.broadcast_array(f32, -1, None),
+        "root True": lambda: engine.broadcast_array(f32, True, None),
+        "root 0.0": lambda: engine.broadcast_array(f32, 0.0, None),
+        "root numpy int": lambda: engine.broadcast_array(f32, np.int64(0), None),
+        "object broadcast": lambda: engine.broadcast_array(np.array([None]), 0, None),
+        "float128 allgather": lambda: engine.allgather_array(np.ones(2, np.longdouble), None),
+        "9 dimensions": lambda: engine.allgather_array(np.ones((1,) * 9), None),
+    }
+    for what, call in declined.items():
+        assert call() is None, what
+    # Still in step afterwards.
+    assert np.array_equal(engine.allreduce_array(f32, 1, None), f32)

@@ -252,6 +252,133 @@ def test_invalid_calls_raise_what_they_raise_at_one_rank():
           reference(kd.Sum, inputs), inputs)
 
 
+# -- the one-call paths (a small C-contiguous numpy array straight to the shm engine) --
+
+ONE_CALL_DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
+                   np.uint8, np.uint16]
+ONE_CALL_SHAPES = [(), (1,), (2, 3), (5,), (16384,), (16385,)]  # 64 KiB and past it in float32
+
+
+def exact_reference(op, inputs):
+    """The engine's result, computed independently in float64: a left-to-right fold
+    in rank order, rounded after each step to the accumulation type (float32 for
+    float16, else the dtype; float64 then rounding is exact for +, *, min, max
+    of float32/float16 values), an average scaled by the dtype's rounded 1/size."""
+    dtype = inputs[0].dtype
+    if dtype.kind in "iu":  # wraps as the kernels do; an average floor-divides the wrapped sum
+        if op is kd.Average:
+            return reference(kd.Sum, inputs).astype(dtype) // dtype.type(SIZE)
+        return reference(op, inputs).astype(dtype)
+    accumulate = np.float32 if dtype == np.float16 else dtype
+    combine = {kd.Sum: np.add, kd.Average: np.add, kd.Min: np.minimum, kd.Max: np.maximum,
+               kd.Product: np.multiply}[op]
+    acc = inputs[0].astype(np.float64)
+    for a in inputs[1:]:
+        acc = combine(acc, a.astype(np.float64)).astype(accumulate).astype(np.float64)
+    if op is kd.Average:
+        factor = np.float64(np.dtype(accumulate).type(1.0 / SIZE))
+        acc = (acc.astype(dtype).astype(np.float64) * factor).astype(accumulate)
+    return acc.astype(dtype)
+
+
+def bits(array):
+    """``array``'s bytes (any shape, 0-d included)."""
+    return array.reshape(-1).view(np.uint8)
+
+
+def strided(array):
+    """``array``'s values in a non-contiguous array (the general path takes it)."""
+    wide = np.zeros((*array.shape, 2), array.dtype)
+    wide[..., 0] = array
+    return wide[..., 0]
+
+
+def test_one_call_allreduce_exact_on_every_rank():
+    case = 9000
+    for op in OPS:
+        for dtype in ONE_CALL_DTYPES:
+            for shape in ONE_CALL_SHAPES:
+                case += 1
+                count = int(np.prod(shape, dtype=np.int64))
+                inputs = [contribution(case, r, count, dtype, op).reshape(shape)
+                          for r in range(SIZE)]
+                mine = inputs[RANK].copy()
+                label = f"one-call allreduce {op} {np.dtype(dtype).name} {shape}"
+                result = kd.allreduce(mine, op=op)
+                assert np.array_equal(bits(mine), bits(inputs[RANK])), \
+                    f"{label}: the input changed"
+                assert (result is not mine or SIZE == 1) and result.shape == shape, label
+                assert result.dtype == np.dtype(dtype), label
+                expected = exact_reference(op, inputs)
+                assert np.array_equal(bits(result), bits(expected)), \
+                    f"{label}: {result} != {expected}"
+                # Odd ranks take the general path (a strided input): the ranks still meet.
+                general = kd.allreduce(strided(mine) if RANK % 2 else mine, op=op)
+                assert np.array_equal(bits(general), bits(expected)), \
+                    f"{label}, general path on odd ranks: {general} != {expected}"
+
+
+def test_one_call_broadcast_and_allgather():
+    case = 9500
+    for dtype in [*ONE_CALL_DTYPES, np.bool_, np.complex64, np.uint64]:
+        for shape in ONE_CALL_SHAPES:
+            case += 1
+            count = int(np.prod(shape, dtype=np.int64))
+            inputs = [contribution(case, r, count, np.float64, kd.Sum).reshape(shape)
+                      .astype(dtype) for r in range(SIZE)]
+            label = f"{np.dtype(dtype).name} {shape}"
+            root = SIZE - 1
+            for mine in (inputs[RANK], strided(inputs[RANK]) if RANK % 2 else inputs[RANK]):
+                result = kd.broadcast(mine, root_rank=root)
+                assert result.dtype == mine.dtype, label
+                assert np.array_equal(result, inputs[root]), f"broadcast {label}"
+                gathered = kd.allgather(mine)
+                expected = np.concatenate([a.reshape(-1) if a.ndim == 0 else a for a in inputs])
+                assert gathered.dtype == mine.dtype, label
+                assert np.array_equal(gathered, expected), f"allgather {label}"
+    # Ranks with different first dimensions; odd ranks pass a TF tensor (the general path).
+    rows = [contribution(9900, r, (r + 1) * 3, np.float32, kd.Sum).reshape(-1, 3)
+            for r in range(SIZE)]
+    value = tf.constant(rows[RANK]) if RANK % 2 else rows[RANK]
+    gathered = np.asarray(kd.allgather(value))
+    assert np.array_equal(gathered, np.concatenate(rows)), "allgather of uneven rows"
+    for dtype in (np.float16, np.int64, np.bool_):
+        values = [contribution(9910, r, 6, np.float64, kd.Sum).reshape(2, 3).astype(dtype)
+                  for r in range(SIZE)]
+        value = tf.constant(values[RANK]) if RANK % 2 else values[RANK]
+        result = np.asarray(kd.broadcast(value, root_rank=0))
+        assert np.array_equal(result, values[0]), f"broadcast {np.dtype(dtype).name}, TF odd"
+
+
+def test_one_call_mismatch_raises_on_every_rank():
+    if SIZE == 1:
+        return
+    x = contribution(9950, RANK, 12, np.float32, kd.Sum)
+    calls = {
+        "shape": lambda: kd.allreduce(x.reshape(3, 4) if RANK == 0 else x.reshape(4, 3)),
+        "op": lambda: kd.allreduce(x, op=kd.Sum if RANK == 0 else kd.Average),
+        "dtype": lambda: kd.allreduce(x if RANK == 0 else x.astype(np.float64)),
+        "name": lambda: kd.allreduce(x, name="a" if RANK == 0 else "b"),
+        "broadcast shape": lambda: kd.broadcast(x.reshape(3, 4) if RANK == 0
+                                                else x.reshape(2, 6), root_rank=0),
+        "allgather shape": lambda: kd.allgather(x.reshape(3, 4) if RANK == 0
+                                                else x.reshape(2, 6)),
+        "kind": lambda: kd.allreduce(x) if RANK == 0 else kd.broadcast(x, root_rank=0),
+    }
+    for what, call in calls.items():
+        try:
+            call()
+        except kd.CollectiveMismatchError as error:
+            if what == "allgather shape":
+                assert "shape=(3, 4)" in str(error) and "shape=(2, 6)" in str(error), error
+        else:
+            raise AssertionError(f"no mismatch error for differing {what} on rank {RANK}")
+        # The transport stays usable: the next call lines up on every rank.
+        inputs = [contribution(9960, r, 5, np.float64, kd.Sum) for r in range(SIZE)]
+        assert np.array_equal(kd.allreduce(inputs[RANK], op=kd.Sum),
+                              exact_reference(kd.Sum, inputs)), f"allreduce after {what}"
+
+
 if __name__ == "__main__":
     for name, function in list(globals().items()):
         if name.startswith("test_"):

@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m keras_dist.bench",
         description="nccl-tests-style benchmark of keras_dist collectives, optionally "
-        "beside mpi4py in the same job. Launch on N ranks with kdrun or mpiexec.",
+        "beside mpi4py in the same job. Launch on N ranks with kdrun or mpiexec. "
+        "(`python -m keras_dist.bench train --help`: the training benchmark.)",
     )
     parser.add_argument("collective", choices=COLLECTIVES)
     parser.add_argument("-b", "--minbytes", type=_size_arg, default=parse_size("4"),
@@ -147,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="allreduce only: time the transport reducing a preallocated "
                              "buffer in place (the engine itself) against MPI_IN_PLACE, "
                              "instead of the out-of-place public kd.allreduce")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="draw bus bandwidth against size (needs matplotlib: "
+                        "pip install 'keras-dist[plot]')")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                         help="check results against a float64 reference (default: on)")
     return parser
@@ -557,7 +561,7 @@ def run(args: argparse.Namespace) -> int:
     for line in header_lines(f"keras_dist ({transport})", "mpi4py" if vs_mpi else None):
         say(line)
 
-    kd_busbw, mpi_busbw = [], []
+    kd_busbw, mpi_busbw, plotted_sizes = [], [], []
     total_wrong = 0
     seen_counts = set()
     for size_bytes in size_steps(args.minbytes, args.maxbytes, args.stepfactor):
@@ -581,6 +585,7 @@ def run(args: argparse.Namespace) -> int:
             algbw, busbw = bandwidths(args.collective, nbytes, t, nranks)
             rows.append((t, algbw, busbw, w))
         kd_busbw.append(rows[0][2])
+        plotted_sizes.append(nbytes)
         if vs_mpi:
             mpi_busbw.append(rows[1][2])
         say(format_row(nbytes, count, args.dtype, redop, rows[0], mem_gbps,
@@ -592,6 +597,15 @@ def run(args: argparse.Namespace) -> int:
     say(f"# Avg bus bandwidth    : {np.mean(kd_busbw):.3f} GB/s  keras_dist ({transport})")
     if vs_mpi:
         say(f"# Avg bus bandwidth    : {np.mean(mpi_busbw):.3f} GB/s  mpi4py")
+    if args.plot and rank == 0:
+        from keras_dist.bench import plot
+
+        series = {f"keras_dist ({transport})": kd_busbw}
+        if vs_mpi:
+            series["mpi4py"] = mpi_busbw
+        plot.bandwidth_lines(args.plot, plotted_sizes, series,
+                             f"{args.collective}, {args.dtype}, {nranks} ranks")
+        say(f"# plot written to {args.plot}")
     comm.Free()
     return 1 if total_wrong else 0
 

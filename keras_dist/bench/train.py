@@ -1,0 +1,281 @@
+"""Training throughput of keras_dist beside plain Keras, in Horovod's benchmark format.
+
+    kdrun -np 2 python -m keras_dist.bench train --model cnn --batch-size 32
+    python -m keras_dist.bench train --model mlp            # one process: the np=1 overhead
+
+Every rank trains the same model on synthetic data (``train_on_batch``, SGD)
+in four kinds of timed blocks, alternating within each iteration so that drift
+hits all of them (each block starts after a barrier):
+
+- ``plain Keras, 1 process``: rank 0 alone, no keras_dist in the step;
+- ``keras_dist, size 1``: rank 0 alone, wrapped in ``DistributedOptimizer``
+  over a process set of one rank (the wrapper's own cost);
+- ``plain Keras, N processes``: every rank at once without communication
+  (the contention baseline: what N processes get from this machine);
+- ``keras_dist, N ranks``: every rank, gradients averaged.
+
+A block is ``--num-batches-per-iter`` steps; its throughput is
+``batch size x steps / seconds``. Reported: images per second per rank, mean
++- 1.96 standard deviations over the iterations (as Horovod's
+``tensorflow2_synthetic_benchmark.py``) and the median; the total over ranks;
+``np=1 overhead`` = 1 - (keras_dist size 1) / (plain, 1 process), and
+``scaling efficiency`` = (keras_dist, N ranks) / (plain, N processes), both
+from medians. ``--breakdown`` splits a keras_dist step, per rank, into the
+baseline step (plain Keras, N processes), waiting for peers and moving data
+inside the collectives (the timeline's counters), and the rest: the host
+call, copies in and out of the framework, Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+
+import numpy as np
+
+MODELS = ("mlp", "cnn", "resnet-small")
+_SEED = 1234
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m keras_dist.bench train",
+        description="Training throughput of keras_dist beside plain Keras (1 process and N "
+        "processes at once) in the same run. Launch on N ranks with kdrun.")
+    parser.add_argument("--model", choices=MODELS, default="cnn")
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank; default 32")
+    parser.add_argument("--num-warmup-batches", type=int, default=5,
+                        help="untimed steps per kind of block; default 5")
+    parser.add_argument("--num-batches-per-iter", type=int, default=10,
+                        help="steps in a timed block; default 10")
+    parser.add_argument("--num-iters", type=int, default=10,
+                        help="timed blocks of each kind; default 10")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="TensorFlow intra- and inter-op threads per rank (0: "
+                        "TensorFlow's default); default 1")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="split a keras_dist step into compute, waiting, moving data "
+                        "and the rest")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="draw the throughputs as bars (needs matplotlib: "
+                        "pip install 'keras-dist[plot]')")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("batch_size", "num_batches_per_iter", "num_iters"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1. "
+                         f"Received: {getattr(args, name)}")
+    if args.num_warmup_batches < 0 or args.threads < 0:
+        parser.error("--num-warmup-batches and --threads must be >= 0. Received: "
+                     f"{args.num_warmup_batches}, {args.threads}")
+    return args
+
+
+def input_shape(model: str) -> tuple[int, ...]:
+    return {"mlp": (784,), "cnn": (28, 28, 1), "resnet-small": (32, 32, 3)}[model]
+
+
+def build_model(name: str):
+    """The benchmark's models: small, as this project's CPU machines train them."""
+    import keras
+    from keras import layers
+
+    keras.utils.set_random_seed(_SEED)
+    inputs = keras.Input(input_shape(name))
+    if name == "mlp":  # the MNIST example's size class
+        x = layers.Dense(512, activation="relu")(inputs)
+        x = layers.Dense(512, activation="relu")(x)
+    elif name == "cnn":
+        x = layers.Conv2D(16, 3, activation="relu")(inputs)
+        x = layers.MaxPooling2D()(x)
+        x = layers.Conv2D(32, 3, activation="relu")(x)
+        x = layers.MaxPooling2D()(x)
+        x = layers.Flatten()(x)
+        x = layers.Dense(128, activation="relu")(x)
+    else:  # three residual stages on 32x32 images
+        x = layers.Conv2D(16, 3, padding="same", activation="relu")(inputs)
+        for filters, stride in ((16, 1), (32, 2), (64, 2)):
+            shortcut = x
+            y = layers.Conv2D(filters, 3, strides=stride, padding="same",
+                              activation="relu")(x)
+            y = layers.Conv2D(filters, 3, padding="same")(y)
+            if stride != 1 or shortcut.shape[-1] != filters:
+                shortcut = layers.Conv2D(filters, 1, strides=stride)(shortcut)
+            x = layers.Activation("relu")(layers.Add()([y, shortcut]))
+        x = layers.GlobalAveragePooling2D()(x)
+    outputs = layers.Dense(10)(x)
+    return keras.Model(inputs, outputs, name=name.replace("-", "_"))
+
+
+def _compiled(name: str, optimizer):
+    import keras
+
+    model = build_model(name)
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def summarize(samples: Sequence[float]) -> tuple[float, float, float]:
+    """``(mean, 1.96 x standard deviation, median)`` of per-iteration throughputs."""
+    values = np.asarray(samples, np.float64)
+    return float(values.mean()), float(1.96 * values.std()), float(np.median(values))
+
+
+def ratios(medians: dict[str, float], size: int) -> dict[str, float]:
+    """np=1 overhead and scaling efficiency from the modes' median img/s per rank."""
+    out = {"np1_overhead": 1.0 - medians["kd1"] / medians["single"]}
+    if size > 1:
+        out["efficiency"] = medians["kd"] / medians["independent"]
+    return out
+
+
+def breakdown_row(step_ms: float, baseline_ms: float, wait_ms: float, move_ms: float) -> str:
+    """One rank's keras_dist step split into its parts, in ms."""
+    rest = step_ms - baseline_ms - wait_ms - move_ms
+    return (f"step {step_ms:7.2f} ms = baseline {baseline_ms:7.2f} + waiting {wait_ms:6.2f} "
+            f"+ moving {move_ms:6.2f} + host call, copies, Python {rest:6.2f}")
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.threads and os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    import keras
+    from mpi4py import MPI
+
+    import keras_dist as kd
+    from keras_dist._runtime import timeline
+
+    # keras_dist at size 1 beside the others: rank 0 alone in a process set.
+    solo = kd.ProcessSet([0]) if MPI.COMM_WORLD.Get_size() > 1 else None
+    kd.init(process_sets=[solo] if solo is not None else None)
+    rank, size = kd.rank(), kd.size()
+    rng = np.random.default_rng([_SEED, rank])
+    x = rng.normal(size=(args.batch_size, *input_shape(args.model))).astype("float32")
+    y = rng.integers(0, 10, size=(args.batch_size,))
+
+    def say(line: str = "") -> None:
+        if rank == 0:
+            print(line, flush=True)
+
+    models = {
+        "single": _compiled(args.model, keras.optimizers.SGD(0.01)) if rank == 0 else None,
+        "kd1": (_compiled(args.model, kd.DistributedOptimizer(
+            keras.optimizers.SGD(0.01), process_set=solo)) if rank == 0 else None),
+    }
+    if size > 1:
+        models["independent"] = _compiled(args.model, keras.optimizers.SGD(0.01))
+        models["kd"] = _compiled(args.model, kd.DistributedOptimizer(keras.optimizers.SGD(0.01)))
+    kinds = [k for k in ("single", "kd1", "independent", "kd") if k in models]
+    parameters = build_model(args.model).count_params()
+    say(f"Model: {args.model} ({parameters / 1e6:.3f} M parameters), batch size "
+        f"{args.batch_size} per rank, {size} rank(s), threads per rank "
+        f"{args.threads or 'default'}, backend {keras.backend.backend()}")
+    say(f"Blocks of {args.num_batches_per_iter} steps, {args.num_iters} per kind, kinds "
+        "alternating; img/sec per rank: mean +- 1.96 sd over blocks (median)")
+
+    own_timeline = args.breakdown and not timeline.enabled()
+    tmpdir = tempfile.mkdtemp(prefix="kd-bench-") if own_timeline else None
+    if own_timeline:
+        kd.start_timeline(os.path.join(tmpdir, "t.json"))
+    samples: dict[str, list[float]] = {k: [] for k in kinds}
+    seconds_kd, waits, moves = 0.0, 0.0, 0.0
+    try:
+        for kind in kinds:
+            model = models[kind]
+            kd.barrier()
+            if model is not None:
+                for _ in range(args.num_warmup_batches):
+                    model.train_on_batch(x, y)
+        for _ in range(args.num_iters):
+            for kind in kinds:
+                model = models[kind]
+                kd.barrier()
+                if model is None:
+                    continue
+                before = timeline.totals() if args.breakdown else None
+                start = _clock()
+                for _ in range(args.num_batches_per_iter):
+                    model.train_on_batch(x, y)
+                elapsed = _clock() - start
+                samples[kind].append(args.batch_size * args.num_batches_per_iter / elapsed)
+                if kind == "kd" and before is not None:
+                    after = timeline.totals()
+                    seconds_kd += elapsed
+                    waits += after["wait_s"] - before["wait_s"]
+                    moves += after["move_s"] - before["move_s"]
+        kd.barrier()
+    finally:
+        if own_timeline:
+            timeline.stop_timeline(summary=False)
+            for name in os.listdir(tmpdir):
+                os.unlink(os.path.join(tmpdir, name))
+            os.rmdir(tmpdir)
+
+    everyone = kd.allgather_object(samples)
+    labels = {"single": "plain Keras, 1 process", "kd1": "keras_dist, size 1",
+              "independent": f"plain Keras, {size} processes at once",
+              "kd": f"keras_dist, {size} ranks"}
+    medians = {}
+    for kind in kinds:
+        ranks = [s[kind] for s in everyone if s[kind]]
+        per_iteration = np.mean(np.asarray(ranks), axis=0)  # mean over the ranks that ran
+        mean, spread, median = summarize(per_iteration)
+        medians[kind] = median
+        total = f"; total {mean * len(ranks):.1f} img/sec" if len(ranks) > 1 else ""
+        say(f"  {labels[kind]:<34} {mean:9.1f} +- {spread:6.1f} img/sec per rank "
+            f"(median {median:.1f}){total}")
+    say(f"np=1 overhead: {100 * ratios(medians, size)['np1_overhead']:+.1f}% "
+        "(1 - keras_dist size 1 / plain Keras 1 process, medians)")
+    if size > 1:
+        say(f"scaling efficiency: {100 * ratios(medians, size)['efficiency']:.1f}% "
+            f"(keras_dist {size} ranks / plain Keras {size} processes at once, per rank, "
+            "medians)")
+    if args.breakdown and size > 1:
+        steps = args.num_iters * args.num_batches_per_iter
+        baseline_ms = 1e3 * args.batch_size / np.median(samples["independent"])
+        row = (1e3 * seconds_kd / steps, baseline_ms, 1e3 * waits / steps, 1e3 * moves / steps)
+        rows = kd.allgather_object(row)
+        say("Breakdown of a keras_dist step (means over the timed steps; baseline: this "
+            "rank's plain-Keras step with the others training at once):")
+        for r, values in enumerate(rows):
+            say(f"  rank {r}: {breakdown_row(*values)}")
+    if args.plot and rank == 0:
+        from keras_dist.bench import plot
+
+        plot.train_bars(args.plot, [labels[k] for k in kinds],
+                        [samples_mean(everyone, k) for k in kinds],
+                        f"{args.model}, batch {args.batch_size}, {size} rank(s)")
+        say(f"plot written to {args.plot}")
+    return 0
+
+
+def samples_mean(everyone: list[dict], kind: str) -> float:
+    """Median over blocks of the ranks' mean img/s per rank for ``kind``."""
+    ranks = [s[kind] for s in everyone if s[kind]]
+    return float(np.median(np.mean(np.asarray(ranks), axis=0)))
+
+
+def _clock() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""``python -m keras_dist.bench train`` pieces without MPI, and the plots."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from keras_dist.bench import plot, train
+
+
+def test_defaults_and_bad_arguments():
+    args = train.parse_args([])
+    assert (args.model, args.batch_size, args.threads) == ("cnn", 32, 1)
+    for argv in (["--batch-size", "0"], ["--num-iters", "0"], ["--num-warmup-batches", "-1"],
+                 ["--model", "vgg"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+
+
+def test_summary_is_horovods_mean_and_spread_plus_median():
+    rng = np.random.default_rng(3)
+    samples = rng.normal(100.0, 5.0, size=9)
+    mean, spread, median = train.summarize(samples)
+    assert mean == pytest.approx(float(np.float64(samples).sum() / 9))
+    assert spread == pytest.approx(1.96 * float(np.sqrt(((samples - mean) ** 2).mean())))
+    assert median == pytest.approx(float(sorted(samples)[4]))
+
+
+def test_ratios_and_breakdown():
+    medians = {"single": 200.0, "kd1": 198.0, "independent": 150.0, "kd": 141.0}
+    got = train.ratios(medians, 2)
+    assert got["np1_overhead"] == pytest.approx(0.01)
+    assert got["efficiency"] == pytest.approx(0.94)
+    assert "efficiency" not in train.ratios(medians, 1)
+    row = train.breakdown_row(10.0, 8.0, 1.0, 0.5)
+    assert "baseline    8.00" in row and row.endswith("0.50")
+
+
+@pytest.mark.parametrize("name", train.MODELS)
+def test_models_build_with_their_input_shape(name):
+    model = train.build_model(name)
+    assert tuple(model.input_shape[1:]) == train.input_shape(name)
+    assert model.output_shape == (None, 10)
+    assert 1e4 < model.count_params() < 2e6
+
+
+def test_plots_write_png_files(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+    bars, lines = tmp_path / "bars.png", tmp_path / "lines.png"
+    plot.train_bars(str(bars), ["a", "b"], [10.0, 12.5], "title")
+    plot.bandwidth_lines(str(lines), [4, 64, 1024], {"x": [0.1, 0.5, 2.0]}, "title")
+    for path in (bars, lines):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"keras-dist\[plot\]"):
+        plot.train_bars(str(tmp_path / "x.png"), ["a"], [1.0], "t")
