@@ -32,7 +32,8 @@ def parse_args():
     parser.add_argument("--checkpoint-dir",
                         default=os.path.join(tempfile.gettempdir(), "keras_dist_mnist"),
                         help="where rank 0 writes a checkpoint each epoch")
-    parser.add_argument("--threads", type=int, default=1, help="TensorFlow threads per rank")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="framework threads per rank (TensorFlow, PyTorch)")
     return parser.parse_args()
 
 
@@ -66,10 +67,16 @@ def load_data(path, kd, keras):
 
 def main():
     args = parse_args()
-    import tensorflow as tf
+    backend = os.environ.get("KERAS_BACKEND", "tensorflow")
+    if backend == "tensorflow":
+        import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-    tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    elif backend == "torch":
+        import torch
+
+        torch.set_num_threads(args.threads)
     import keras
 
     import keras_dist as kd

@@ -15,4 +15,3 @@ def warn_once(key: str, message: str) -> None:
         _warned.add(key)
         warnings.warn(message, stacklevel=3)
 
-

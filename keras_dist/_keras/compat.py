@@ -9,7 +9,7 @@ module changes.
 from __future__ import annotations
 
 import keras
-from keras.src.utils import io_utils, tracking
+from keras.src.utils import file_utils, io_utils, tracking
 
 #: Decorator: attributes set inside the method are not tracked as Keras state.
 no_automatic_dependency_tracking = tracking.no_automatic_dependency_tracking
@@ -49,6 +49,30 @@ def loss_scale_apply(optimizer, grads, trainable_variables) -> None:
     keras.optimizers.LossScaleOptimizer._common_apply(
         optimizer, grads, trainable_variables=trainable_variables
     )
+
+
+def initial_epoch(model):
+    """The epoch ``fit`` starts at when set by a callback (``BackupAndRestore``), or None.
+
+    ``fit`` reads it after ``on_train_begin`` and prefers it to its own
+    ``initial_epoch`` argument.
+    """
+    return model._initial_epoch
+
+
+def set_initial_epoch(model, epoch) -> None:
+    """Makes ``fit`` start at ``epoch`` (None: at its ``initial_epoch`` argument)."""
+    model._initial_epoch = epoch
+
+
+def backup_weights_path(callback) -> str:
+    """The weights file a ``keras.callbacks.BackupAndRestore`` saves and restores."""
+    return callback._weights_path
+
+
+def file_exists(path) -> bool:
+    """Whether ``path`` exists, as Keras' own file handling sees it (remote paths too)."""
+    return file_utils.exists(path)
 
 
 def in_xla_context() -> bool:

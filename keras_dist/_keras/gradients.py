@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 from keras_dist import _vocab
-from keras_dist._runtime import context
+from keras_dist._runtime import context, timeline
 from keras_dist.tensor import ops as kd_ops
 from keras_dist.tensor.compression import Compression
 
@@ -104,6 +104,14 @@ def check_local_layers(local_layers) -> list:
         raise ValueError("`local_layers` must be a Keras layer or a list of Keras layers. "
                          f"Received: {[type(layer).__name__ for layer in local_layers]}")
     return local_layers
+
+
+def _names(variables: Sequence | None, positions: list[int]) -> list[str]:
+    """The variables' names for the timeline (nothing unless it records)."""
+    if variables is None or not timeline.enabled():
+        return []
+    return [str(getattr(variables[i], "path", None) or getattr(variables[i], "name", i))
+            for i in positions]
 
 
 def divide(grad, divisor: float):
@@ -206,10 +214,11 @@ class GradientReduction:
             reduced[index] = to_dense(grad)
             dense.append(index)
         for run in _partition(dense, variables, self.groups):
-            results = kd_ops.grouped_allreduce(
-                [reduced[i] for i in run], op=op, prescale_factor=prescale,
-                postscale_factor=postscale, compression=self.compression,
-                process_set=self.process_set)
+            with timeline.tensor_names(_names(variables, run)):
+                results = kd_ops.grouped_allreduce(
+                    [reduced[i] for i in run], op=op, prescale_factor=prescale,
+                    postscale_factor=postscale, compression=self.compression,
+                    process_set=self.process_set)
             for index, result in zip(run, results):
                 reduced[index] = result
         for index in sparse:

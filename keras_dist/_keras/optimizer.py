@@ -6,7 +6,8 @@ import keras
 from keras import ops
 
 from keras_dist import _vocab
-from keras_dist._keras import compat
+from keras_dist._keras import backends, compat
+from keras_dist._keras.callbacks import backup_and_restore  # noqa: F401  (Keras' class distributed)
 from keras_dist._keras.gradients import (
     GradientReduction,
     check_groups,
@@ -162,6 +163,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             scale_local_gradients=bool(scale_local_gradients))
         backward_passes_per_step, average_aggregated_gradients = _accumulation(
             optimizer, backward_passes_per_step, average_aggregated_gradients)
+        backends.check_supported()
         # LossScaleOptimizer.__init__ would disable the inner optimizer's own
         # `loss_scale_factor`; only the base initialiser is wanted here.
         keras.optimizers.Optimizer.__init__(
@@ -286,27 +288,28 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             for v in trainable_variables
         ]
         present = [i for i, g in enumerate(grads) if g is not None]
+        # New values are computed first and assigned after the branch, so the
+        # branches stay free of assignments (JAX traces them separately).
+        sums = [accumulator.value for accumulator in accumulators]
         for i in present:
-            accumulators[i].assign_add(ops.cast(to_dense(grads[i]), accumulators[i].dtype))
-        self.local_steps.assign_add(1)
+            sums[i] = sums[i] + ops.cast(to_dense(grads[i]), accumulators[i].dtype)
+        local = self.local_steps.value + 1
+        communicating = ops.equal(local % steps, 0)
 
         def communicate():
-            # Read as tensors: the accumulators are reset below.
-            summed = [ops.copy(accumulators[i]) if i in present else None
-                      for i in range(len(grads))]
+            summed = [sums[i] if i in present else None for i in range(len(grads))]
             if self.average_aggregated_gradients:
                 summed = [None if a is None else a / steps for a in summed]
             reduced = self._reduce(summed, trainable_variables)
-            values = [ops.convert_to_tensor(reduced[i]) for i in present]
-            for accumulator in accumulators:
-                accumulator.assign(ops.zeros_like(accumulator.value))
-            self.local_steps.assign(0)
-            return values
+            return [ops.convert_to_tensor(reduced[i]) for i in present]
 
         def running_sums():
-            return [ops.copy(accumulators[i]) for i in present]
+            return [ops.copy(sums[i]) for i in present]
 
-        values = ops.cond(ops.equal(self.local_steps % steps, 0), communicate, running_sums)
+        values = ops.cond(communicating, communicate, running_sums)
+        for accumulator, total in zip(accumulators, sums):
+            accumulator.assign(ops.where(communicating, ops.zeros_like(total), total))
+        self.local_steps.assign(ops.where(communicating, ops.zeros_like(local), local))
         result = [None] * len(grads)
         for i, value in zip(present, values):
             result[i] = value
@@ -317,12 +320,23 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         if self.backward_passes_per_step == 1:
             self._apply_reduced(grads, trainable_variables)
             return
+        communicating = ops.equal(self.local_steps, 0)
+        if backends.name() == "jax":
+            # No assignment inside a traced branch: apply on every step (the
+            # inner optimizer's `iterations` counts it), then keep the old
+            # values of everything else where this step does not communicate.
+            kept = [v for v in list(trainable_variables) + list(self.inner_optimizer.variables)
+                    if v is not self.inner_optimizer.iterations]
+            before = [v.value for v in kept]
+            self._apply_reduced(grads, trainable_variables)
+            for variable, old in zip(kept, before):
+                variable.assign(ops.where(communicating, variable.value, old))
+            return
 
         def count():
             self.iterations.assign_add(1)
 
-        ops.cond(ops.equal(self.local_steps, 0),
-                 lambda: self._apply_reduced(grads, trainable_variables), count)
+        ops.cond(communicating, lambda: self._apply_reduced(grads, trainable_variables), count)
 
     def _check_not_in_xla(self):
         if self._reduction.span()[0] > 1 and compat.in_xla_context():
@@ -336,7 +350,8 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _reduce(self, grads, trainable_variables):
         """Reduces ``grads`` across ranks: dense ones in one grouped allreduce per group."""
-        return self._reduction.reduce(grads, trainable_variables, self._local_ids())
+        return backends.host_function(self._reduction.reduce)(
+            grads, trainable_variables, self._local_ids())
 
     def _apply_reduced(self, grads, trainable_variables):
         if self._uses_loss_scale():
@@ -391,6 +406,19 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         return reduced
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        if self._uses_loss_scale():
+            if self.backward_passes_per_step > 1:
+                raise NotImplementedError(
+                    "DistributedOptimizer on the JAX backend does not support loss scaling "
+                    "(mixed_float16) together with backward_passes_per_step > 1; use "
+                    "mixed_bfloat16, or one of them. Received: backward_passes_per_step="
+                    f"{self.backward_passes_per_step}, loss scaling on")
+            # (JAX) Keras's stateless loss-scale step on the reduced gradients:
+            # its finite check then agrees on every rank, and no variable is
+            # assigned inside a traced branch.
+            grads = self._reduce(list(grads), compat.built_variables(self))
+            return keras.optimizers.LossScaleOptimizer.stateless_apply(
+                self, optimizer_variables, grads, trainable_variables)
         # LossScaleOptimizer's own version would bypass `apply`, hence the allreduce.
         return keras.optimizers.Optimizer.stateless_apply(
             self, optimizer_variables, grads, trainable_variables

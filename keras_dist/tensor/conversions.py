@@ -27,6 +27,26 @@ def is_cupy(value) -> bool:
     return type(value).__module__.startswith("cupy")
 
 
+def is_torch(value) -> bool:
+    return type(value).__module__.startswith("torch")
+
+
+def is_jax(value) -> bool:
+    return type(value).__module__.startswith(("jax", "jaxlib"))
+
+
+def _torch():
+    from keras_dist.tensor import torch_glue
+
+    return torch_glue
+
+
+def _jax():
+    from keras_dist.tensor import jax_glue
+
+    return jax_glue
+
+
 def is_indexed_slices(value) -> bool:
     """True for a TensorFlow ``IndexedSlices`` (a sparse gradient)."""
     return type(value).__name__ == "IndexedSlices" and is_tf(value)
@@ -43,6 +63,8 @@ def dtype_of(value) -> np.dtype:
     value = unwrap(value)
     if is_tf(value):
         return np.dtype(value.dtype.as_numpy_dtype)
+    if is_torch(value):
+        return _torch().numpy_dtype(value)
     if hasattr(value, "dtype"):
         return np.dtype(value.dtype)
     return np.asarray(value).dtype
@@ -54,8 +76,10 @@ def cast(value, dtype):
         import tensorflow as tf
 
         return tf.cast(value, tf.as_dtype(dtype))
-    if is_cupy(value):
+    if is_cupy(value) or is_jax(value):
         return value.astype(dtype)
+    if is_torch(value):
+        return _torch().cast(value, dtype)
     return np.asarray(value).astype(dtype)
 
 
@@ -81,6 +105,10 @@ def to_numpy(value) -> np.ndarray:
         return value.numpy()
     if is_cupy(value):
         return value.get()
+    if is_torch(value):
+        return _torch().to_numpy(value)
+    if is_jax(value):
+        return _jax().to_numpy(value)
     array = np.asarray(value)
     if array.dtype == object:
         raise TypeError(
@@ -101,6 +129,10 @@ def like(template, array: np.ndarray):
         import cupy
 
         return cupy.asarray(array)
+    if is_torch(template):
+        return _torch().like(template, array)
+    if is_jax(template):
+        return _jax().like(template, array)
     if isinstance(template, np.ndarray):
         return array
     if np.ndim(template) == 0 and not isinstance(template, np.generic):
@@ -310,6 +342,9 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
             class (``as_tf_error``), in eager and graph execution alike.
     """
     values = [unwrap(v) for v in values]
+    if any(is_jax(v) and _jax().is_traced(v) for v in values):
+        same_shapes = shapes is None and (out_dtypes is None or len(out_dtypes) == len(values))
+        return _jax().run_traced(values, numpy_fn, name, out_dtypes, same_shapes)
     if not any(is_tf(v) for v in values):
         arrays = numpy_fn([to_numpy(v) for v in values])
         return [like(values[min(i, len(values) - 1)], a) for i, a in enumerate(arrays)]

@@ -1,4 +1,6 @@
-"""The Keras layer at 1, 2 and 3 ranks under kdrun (see keras_workers/train_checks.py).
+"""The Keras layer at 1, 2 and 3 ranks under kdrun (see keras_workers/train_checks.py),
+on TensorFlow; on JAX at 1 and 2 ranks and PyTorch at 2 (the same checks, less the
+TensorFlow-only ones, which the worker names).
 
 The worker checks on every rank: exactness against a float64 numpy SGD with
 the global batch (ranks starting from different weights), the number of
@@ -18,9 +20,11 @@ ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("np_", [1, 2, 3])
-def test_keras_layer_on_every_rank(np_):
-    result = run_job(WORKER, np=np_, timeout=260, env=ENV)
+@pytest.mark.parametrize("backend,np_", [("tensorflow", 1), ("tensorflow", 2),
+                                         ("tensorflow", 3), ("jax", 1), ("jax", 2),
+                                         ("torch", 2)])
+def test_keras_layer_on_every_rank(backend, np_):
+    result = run_job(WORKER, np=np_, timeout=260, env={**ENV, "KERAS_BACKEND": backend})
     result.check()
     for rank in range(np_):
         assert f"KERAS CHECKS OK rank={rank} size={np_}" in result.output(rank), \

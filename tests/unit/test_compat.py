@@ -90,6 +90,29 @@ def test_loss_scale_apply_applies_finite_gradients_and_skips_the_others():
     assert float(keras.ops.convert_to_numpy(optimizer.dynamic_scale)) == 4.0
 
 
+def test_initial_epoch_is_what_fit_starts_at():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    assert compat.initial_epoch(model) is None
+    compat.set_initial_epoch(model, 2)
+    assert compat.initial_epoch(model) == 2
+    history = model.fit(np.ones((4, 2)), np.ones((4, 1)), epochs=4, verbose=0)
+    assert history.epoch == [2, 3]
+
+
+def test_backup_weights_path_is_the_file_backup_and_restore_writes(tmp_path):
+    callback = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    path = compat.backup_weights_path(callback)
+    assert not compat.file_exists(path)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "backup"),
+                                                          delete_checkpoint=False)])
+    assert compat.file_exists(path)
+    assert path == str(tmp_path / "backup" / "latest.weights.h5")
+
+
 def test_in_xla_context_is_true_only_while_xla_traces():
     seen = {}
 

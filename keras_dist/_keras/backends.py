@@ -1,0 +1,72 @@
+"""Per-backend glue of the Keras layer: what differs between TensorFlow, JAX and PyTorch.
+
+- TensorFlow: the gradients' collective is a ``tf.numpy_function`` op of the
+  traced step (XLA cannot compile it: see ``xla.py``).
+- JAX: Keras jits a stateless step; the collective is an ordered host
+  callback inside it (``keras_dist.tensor.jax_glue``), so ``jit_compile`` stays
+  as the user set it. Variables cannot be assigned inside a branch of a traced
+  ``cond``, so loss scaling goes through Keras's own stateless loss-scale step,
+  and with ``backward_passes_per_step`` > 1 the wrapped optimizer applies on
+  every step and the old values are kept where a step does not communicate
+  (as Keras's own gradient accumulation does on JAX); loss scaling together
+  with accumulation is not supported there (it raises at the first step).
+- PyTorch: Keras's trainer is eager; with ``jit_compile=True`` (``torch.compile``)
+  the reduction runs outside the compiled graph (``torch.compiler.disable``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import keras
+
+
+def name() -> str:
+    return keras.backend.backend()
+
+
+def check_supported() -> None:
+    """Raises, in one sentence, for a combination this backend does not support."""
+    backend = name()
+    if backend not in ("tensorflow", "jax", "torch"):
+        raise NotImplementedError(
+            f"DistributedOptimizer supports the tensorflow, jax and torch Keras backends; "
+            f"set KERAS_BACKEND to one of them. Received: backend={backend!r}")
+    distribution = keras.distribution.distribution()
+    if distribution is not None:
+        raise RuntimeError(
+            "DistributedOptimizer cannot run under a keras.distribution setting, which "
+            "distributes the model its own way; unset it (keras.distribution."
+            "set_distribution(None)) to train with keras_dist. Received: "
+            f"{type(distribution).__name__}")
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        if tf.distribute.has_strategy():
+            raise RuntimeError(
+                "DistributedOptimizer cannot run inside a tf.distribute strategy scope, "
+                "which would reduce gradients a second time; build and compile the model "
+                "outside the scope. Received: "
+                f"{type(tf.distribute.get_strategy()).__name__}")
+
+
+def host_function(function: Callable) -> Callable:
+    """``function`` made to run eagerly even inside ``torch.compile`` (torch); as is otherwise."""
+    if name() != "torch":
+        return function
+    import torch
+
+    return torch.compiler.disable(function)
+
+
+def sync_model_state(model) -> None:
+    """Makes ``model``'s variables hold the current values, inside ``fit`` too.
+
+    The JAX trainer keeps the training state apart from the variables between
+    steps and writes it back at the end of an epoch; a callback that reads or
+    assigns variables mid-epoch must have it written back first (the next step
+    then starts from the variables). Other backends train the variables in place.
+    """
+    sync = getattr(model, "jax_state_sync", None)
+    if name() == "jax" and sync is not None:
+        sync()

