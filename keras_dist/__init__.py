@@ -43,6 +43,7 @@ from keras_dist.errors import (
     TransportError,
 )
 from keras_dist.ops import (
+    Adasum,
     Average,
     Compression,
     Max,
@@ -87,6 +88,7 @@ _LAZY = {
     "shard": ("keras_dist.data", "shard"),
     "SyncBatchNormalization": ("keras_dist._keras.sync_batch_norm", "SyncBatchNormalization"),
     "callbacks": ("keras_dist.callbacks", None),
+    "elastic": ("keras_dist.elastic", None),
     "size_op": ("keras_dist.tensor.tf_ops", "size_op"),
     "rank_op": ("keras_dist.tensor.tf_ops", "rank_op"),
     "local_size_op": ("keras_dist.tensor.tf_ops", "local_size_op"),
@@ -145,7 +147,7 @@ def is_homogeneous() -> bool:
 
 
 __all__ = [
-    "Average", "CollectiveMismatchError", "CollectiveTimeoutError", "Compression",
+    "Adasum", "Average", "CollectiveMismatchError", "CollectiveTimeoutError", "Compression",
     "DistributedGradientTape", "DistributedOptimizer", "KerasDistError", "Max", "Min",
     "NotInitializedError", "PartialDistributedGradientTape", "PartialDistributedOptimizer",
     "PeerFailureError", "ProcessSet", "Product", "ReduceOp", "StallWarning", "Sum",
@@ -153,7 +155,7 @@ __all__ = [
     "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
     "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
     "broadcast_variables", "callbacks", "ccl_built", "cross_rank", "cross_size", "cuda_built",
-    "ddl_built", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "ddl_built", "elastic", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
     "grouped_allreduce", "grouped_reducescatter", "init", "is_homogeneous", "is_initialized",
     "join", "load_model", "local_rank", "local_rank_op", "local_size", "local_size_op",
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",

@@ -90,6 +90,15 @@ class Config:
     job_id: str | None = None
     #: Whether process sets may be added and removed after ``init()``.
     dynamic_process_sets: bool = False
+    #: Identifier of the elastic job, the same in every launch of it (set by
+    #: kdrun, which relaunches the ranks after a failure or to resize); None
+    #: when the job is not elastic.
+    elastic_job: str | None = None
+    #: How many times kdrun has launched this elastic job before (0: first run).
+    elastic_round: int = 0
+    #: Where each machine keeps its copy of an elastic job's committed state
+    #: (default: /dev/shm, else the temporary directory).
+    elastic_dir: str | None = None
 
     @classmethod
     def from_env(cls) -> Config:
@@ -119,4 +128,7 @@ class Config:
             dynamic_process_sets=_flag(
                 "KERAS_DIST_DYNAMIC_PROCESS_SETS", False, "HOROVOD_DYNAMIC_PROCESS_SETS"
             ),
+            elastic_job=(_raw("KERAS_DIST_ELASTIC_JOB") or (None, None))[1],
+            elastic_round=_int("KERAS_DIST_ELASTIC_ROUND", 0),
+            elastic_dir=(_raw("KERAS_DIST_ELASTIC_DIR") or (None, None))[1],
         )

@@ -47,3 +47,23 @@ class TransportError(KerasDistError):
 
 class StallWarning(UserWarning):
     """Some ranks have waited in a collective that others have not joined."""
+
+
+class HostsUpdatedInterrupt(KerasDistError):
+    """The launcher has hosts to add or remove: the job restarts at a new size.
+
+    Raised on every rank at the same commit (``state.commit()`` or
+    ``state.check_host_updates()``) of an elastic job; ``keras_dist.elastic.run``
+    saves the current state and ends the rank so that kdrun can relaunch.
+
+    Args:
+        message: what changed.
+        skip_sync: as Horovod's: nothing was lost, the state need not be restored.
+    """
+
+    def __init__(self, message: str = "", skip_sync: bool = True) -> None:
+        super().__init__(message)
+        self.skip_sync = skip_sync
+
+    def __reduce__(self):
+        return type(self), (str(self), self.skip_sync)

@@ -117,8 +117,54 @@ def record_error(exc: BaseException) -> bool:
     })
     if channel is None:
         return False
+    deadline = time.monotonic() + ACK_TIMEOUT_SECONDS
     try:
-        ready, _, _ = select.select([channel], [], [], ACK_TIMEOUT_SECONDS)
-        return bool(ready) and channel.recv(1) == b"k"
+        while True:
+            ready, _, _ = select.select([channel], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return False
+            data = channel.recv(4096)
+            if not data:
+                return False
+            # Host-update notices (``H <n>`` lines) may come first; the answer is one "k".
+            _notices.extend(data.replace(b"k", b"").split())
+            if b"k" in data:
+                return True
     except OSError:
         return False
+
+
+def record_resize() -> None:
+    """Reports that the rank ends for a graceful resize of an elastic job (its
+    state is saved): kdrun relaunches the job instead of ending it."""
+    _send({"event": "resize"})
+
+
+def record_resumed(info: dict) -> None:
+    """Reports that an elastic job is training again (``info``: commit, epoch,
+    batch, seconds spent restoring...), with the times this rank saw it."""
+    _send({"event": "resumed", "info": info, "mono": time.monotonic(), "wall": time.time()})
+
+
+_notices: list[bytes] = []
+
+
+def host_update_version() -> int:
+    """The newest host-update notice kdrun sent to this rank (0: none).
+
+    In an elastic job kdrun writes ``hosts-updated <n>`` to the job's standard
+    input, which mpiexec forwards to rank 0's supervisor; the supervisor passes
+    ``H <n>`` on through this channel. Never blocks.
+    """
+    channel = _get_channel()
+    if channel is not None:
+        try:
+            while select.select([channel], [], [], 0)[0]:
+                data = channel.recv(4096)
+                if not data:
+                    break
+                _notices.extend(data.split())
+        except OSError:
+            pass
+    numbers = [int(token) for token in _notices if token.isdigit()]
+    return max(numbers, default=0)

@@ -81,20 +81,57 @@ def supervised_command(command: tuple[str, ...]) -> tuple[str, ...]:
     return (sys.executable, supervisor.__file__, "--", *command)
 
 
+@dataclasses.dataclass
+class Outcome:
+    """How one launch of a job ended."""
+
+    #: kdrun's exit code for it.
+    status: int
+    #: What each rank's records said.
+    reports: dict[int, report.RankReport]
+    #: kdrun (not mpiexec) ended the job: a rank had failed.
+    stopped: bool = False
+    #: The signal kdrun received, if any.
+    signal: int | None = None
+    #: CLOCK_MONOTONIC when mpiexec had ended and the job's processes were gone.
+    ended: float = 0.0
+
+
 def launch(options: LaunchOptions) -> int:
     """Runs the job; returns kdrun's exit code."""
+    if options.elastic is not None:
+        from keras_dist.launcher import elastic
+
+        return elastic.run(options, launch_once)
+    return launch_once(options).status
+
+
+def launch_once(options: LaunchOptions, job_env: dict[str, str] | None = None,
+                watch=None, append_output: bool = False) -> Outcome:
+    """Runs the job once.
+
+    Args:
+        options: the job.
+        job_env: more variables for every rank.
+        watch: an object whose ``record(record)`` gets every record, and whose
+            ``tick(proc)`` is called about every 50 ms while mpiexec runs; a
+            string it returns stops the job, saying why (elastic jobs; their
+            ``proc.stdin`` is a pipe to write to).
+        append_output: add to the files of ``--output-dir`` instead of
+            replacing them (the later launches of an elastic job).
+    """
     mpiexec = options.mpiexec or find_mpiexec()
     if mpiexec is None:
         _say(f"kdrun: cannot find mpiexec (looked beside {sys.executable} and on PATH). "
              "Install an MPI, for example `pip install mpich`.")
-        return 127
+        return Outcome(127, {})
     flavor = mpi_flavor(mpiexec)
     if options.output_dir:
         os.makedirs(options.output_dir, exist_ok=True)
     job_id = secrets.token_hex(8)
-    job_env = {JOB_ID_ENV: job_id}
+    job_env = {JOB_ID_ENV: job_id, **(job_env or {})}
     if options.timeline:
-        job_env[TIMELINE_ENV] = options.timeline
+        job_env[TIMELINE_ENV] = os.path.abspath(options.timeline)
     env = dict(os.environ, **job_env)
     if flavor.startswith("openmpi") and os.geteuid() == 0:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -111,31 +148,39 @@ def launch(options: LaunchOptions) -> int:
     previous = {sig: signal.signal(sig, on_signal)
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     reports: dict[int, report.RankReport] = {}
+    on_record = functools.partial(report.apply, reports)
+    if watch is not None:
+        def on_record(record, apply=on_record):
+            apply(record)
+            watch.record(record)
     router = OutputRouter(
-        sys.stdout.buffer, sys.stderr.buffer, functools.partial(report.apply, reports),
+        sys.stdout.buffer, sys.stderr.buffer, on_record,
         label=options.label, ranks=options.ranks, output_dir=options.output_dir,
+        append=append_output,
     )
     proc = None
     try:
         try:
             proc = subprocess.Popen(
                 build_command(mpiexec, flavor, job, job_env), env=env,
+                stdin=subprocess.PIPE if watch is not None else None,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                 preexec_fn=functools.partial(_die_with_parent, os.getpid()),
             )
         except OSError as error:
             _say(f"kdrun: cannot start {mpiexec}: {error}")
-            return 127
+            return Outcome(127, reports)
         returncode, stopped = _supervise(proc, router, reports, received, job_id,
-                                         options.num_proc)
+                                         options.num_proc, watch)
         router.close()
         if received:
-            return 128 + received[0]
+            return Outcome(128 + received[0], reports, signal=received[0],
+                           ended=time.monotonic())
         if stopped:
             _say(stopped)
             for line in report.describe_failure(reports, options.num_proc, returncode):
                 _say(line)
-            return 1
+            return Outcome(1, reports, stopped=True, ended=time.monotonic())
         if returncode == 0 and report.any_failure(reports):
             # A rank that left with status 0 without finishing, seen by its supervisor.
             _say("kdrun: mpiexec reported success, but a rank failed:")
@@ -145,7 +190,7 @@ def launch(options: LaunchOptions) -> int:
         elif returncode != 0:
             for line in report.describe_failure(reports, options.num_proc, returncode):
                 _say(line)
-        return returncode
+        return Outcome(returncode, reports, ended=time.monotonic())
     finally:
         if proc is not None and proc.poll() is None:
             _kill_group(proc)
@@ -191,7 +236,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _supervise(proc: subprocess.Popen, router: OutputRouter,
                reports: dict[int, report.RankReport], received: list[int], job_id: str,
-               num_proc: int) -> tuple[int, str | None]:
+               num_proc: int, watch=None) -> tuple[int, str | None]:
     """Relays mpiexec's output and forwards signals until the job has ended.
 
     kdrun stops the job itself when the records show a rank failed and
@@ -251,6 +296,10 @@ def _supervise(proc: subprocess.Popen, router: OutputRouter,
             _kill_group(proc)
             kill_job_processes(job_id)
             break
+        if watch is not None:
+            reason = watch.tick(proc)
+            if reason and kill_at is None:
+                kill_at, stopped = now, f"kdrun: {reason}; stopped the job."
         relay(_POLL_SECONDS)
     returncode = proc.wait()
     # mpiexec is gone; give ranks it left behind (-disable-auto-cleanup, a
@@ -286,7 +335,34 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         sys.stdout.write(USAGE)
         return 0
-    return launch(options)
+    status = launch(options)
+    if options.timeline:
+        _merge_timeline(os.path.abspath(options.timeline))
+    return status
+
+
+def _merge_timeline(path: str) -> None:
+    """Joins the ranks' timeline parts into ``path`` (those on this machine)."""
+    from keras_dist._runtime import timeline
+
+    ranks = timeline.merge(path)
+    if ranks:
+        _say(f"kdrun: timeline of ranks {_ranges(ranks)} written to {path}")
+    elif os.path.exists(path):  # a job of one rank writes its trace itself
+        _say(f"kdrun: timeline written to {path}")
+    else:
+        _say(f"kdrun: no rank wrote a timeline part ({path}.rank<R>) on this machine")
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2,5``."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,34 @@ options:
   --ranks LIST         print only these ranks' output, e.g. --ranks 0 or --ranks 0,2
   --mpiexec PATH       the mpiexec to use (default: beside this Python, else on PATH)
   -h, --help           show this message
+
+elastic jobs (any of these makes the job elastic: after a failure kdrun launches
+it again on the healthy slots, and the ranks resume from their last commit):
+  --max-restarts R     relaunch after a failure at most R times (default 3)
+  --min-np MIN         fewest ranks to run on (default: -np)
+  --max-np MAX         most ranks to grow to (default: -np)
+  --host-discovery-script S
+                       an executable printing the usable hosts, one a line,
+                       `host:slots` or `host`; run every second while the job
+                       runs: the job resizes at its next commit when they change
+  --slots N            slots of a discovered host given without them (default 1)
+  --elastic-timeout T  seconds to wait for MIN slots before giving up (default 600;
+                       also HOROVOD_ELASTIC_TIMEOUT)
+  --host-cooldown T    seconds a host that failed is left out (default 60)
 """
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticOptions:
+    """How kdrun runs an elastic job (see ``keras_dist.launcher.elastic``)."""
+
+    min_np: int
+    max_np: int
+    max_restarts: int = 3
+    discovery_script: str | None = None
+    slots: int = 1
+    timeout: float = 600.0
+    cooldown: float = 60.0
 
 
 class UsageError(ValueError):
@@ -52,6 +79,8 @@ class LaunchOptions:
     #: The hosts are the nodes of the Slurm job kdrun runs in; mpiexec starts
     #: its processes there through Slurm.
     slurm: bool = False
+    #: Set for an elastic job.
+    elastic: ElasticOptions | None = None
 
 
 def _resolve_hosts(
@@ -104,7 +133,9 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Lau
         "-H": "hosts", "--hosts": "hosts", "-hosts": "hosts",
         "--hostfile": "hostfile", "-hostfile": "hostfile",
         "--timeline": "timeline", "--mpiexec": "mpiexec", "--output-dir": "output_dir",
-        "--ranks": "ranks",
+        "--ranks": "ranks", "--max-restarts": "max_restarts", "--min-np": "min_np",
+        "--max-np": "max_np", "--host-discovery-script": "discovery", "--slots": "slots",
+        "--elastic-timeout": "elastic_timeout", "--host-cooldown": "cooldown",
     }
     index = 0
     while index < len(argv):
@@ -136,12 +167,31 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Lau
         values, os.environ if environ is None else environ)
     if "np" in values and (not values["np"].isdigit() or int(values["np"]) < 1):
         raise UsageError(f"`-np` must be a whole number >= 1. Received: -np {values['np']!r}")
+    elastic = _elastic_options(values, environ or os.environ)
+    if elastic is not None and elastic.discovery_script:
+        if hosts:
+            raise UsageError("`--host-discovery-script` gives the hosts: it cannot be used "
+                             f"with {hosts_source.split(' ')[0]}.")
+        if "np" not in values:
+            raise UsageError("`-np N` (the size to start at) is required with "
+                             "--host-discovery-script.")
     if "np" in values:
         num_proc = int(values["np"])
     elif hosts:
         num_proc = allocation.num_tasks if allocation else _hosts.total_slots(hosts)
     else:
         raise UsageError("`-np N` is required without -H, --hostfile or a Slurm job.")
+    if elastic is not None:
+        elastic = dataclasses.replace(
+            elastic, min_np=elastic.min_np or num_proc, max_np=elastic.max_np or num_proc)
+        if not elastic.min_np <= num_proc <= elastic.max_np:
+            raise UsageError(f"`--min-np` <= `-np` <= `--max-np` must hold. Received: --min-np "
+                             f"{elastic.min_np} -np {num_proc} --max-np {elastic.max_np}")
+        if hosts and elastic.min_np > _hosts.total_slots(hosts):
+            raise UsageError(f"`--min-np` must be at most the {_hosts.total_slots(hosts)} slots "
+                             f"of the hosts ({hosts_source}). Received: --min-np {elastic.min_np}")
+        if hosts and num_proc > _hosts.total_slots(hosts):
+            num_proc = _hosts.total_slots(hosts)
     if hosts and num_proc > _hosts.total_slots(hosts):
         given = f"-np {num_proc}" if "np" in values else f"SLURM_NTASKS={num_proc}"
         raise UsageError(
@@ -167,4 +217,47 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Lau
         output_dir=os.path.abspath(values["output_dir"]) if "output_dir" in values else None,
         label="no_label" not in values,
         ranks=ranks,
+        elastic=elastic,
+    )
+
+
+def _whole(values: dict[str, str], key: str, option: str, least: int) -> int | None:
+    if key not in values:
+        return None
+    if not values[key].isdigit() or int(values[key]) < least:
+        raise UsageError(f"`{option}` must be a whole number >= {least}. "
+                         f"Received: {option} {values[key]!r}")
+    return int(values[key])
+
+
+def _seconds(text: str, option: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise UsageError(
+            f"`{option}` must be a number of seconds >= 0. Received: {option} {text!r}")
+    return value
+
+
+def _elastic_options(values: dict[str, str], environ: Mapping[str, str]) -> ElasticOptions | None:
+    keys = ("max_restarts", "min_np", "max_np", "discovery", "slots", "elastic_timeout",
+            "cooldown")
+    if not any(key in values for key in keys):
+        return None
+    script = values.get("discovery")
+    if script is not None and not (os.path.isfile(script) and os.access(script, os.X_OK)):
+        raise UsageError("`--host-discovery-script` must be an executable file. "
+                         f"Received: {script!r}")
+    timeout = values.get("elastic_timeout", environ.get("HOROVOD_ELASTIC_TIMEOUT", "600"))
+    return ElasticOptions(
+        min_np=_whole(values, "min_np", "--min-np", 1) or 0,
+        max_np=_whole(values, "max_np", "--max-np", 1) or 0,
+        max_restarts=_whole(values, "max_restarts", "--max-restarts", 0) or (
+            0 if values.get("max_restarts") == "0" else 3),
+        discovery_script=os.path.abspath(script) if script else None,
+        slots=_whole(values, "slots", "--slots", 1) or 1,
+        timeout=_seconds(timeout, "--elastic-timeout"),
+        cooldown=_seconds(values.get("cooldown", "60"), "--host-cooldown"),
     )

@@ -35,8 +35,10 @@ class OutputRouter:
 
     def __init__(self, stdout: BinaryIO, stderr: BinaryIO, on_record: Callable[[dict], None], *,
                  label: bool = True, ranks: Collection[int] | None = None,
-                 output_dir: str | None = None) -> None:
+                 output_dir: str | None = None, append: bool = False) -> None:
         self._sinks = {"o": stdout, "e": stderr}
+        #: Add to the files in ``output_dir`` (later launches of an elastic job).
+        self._mode = "ab" if append else "wb"
         self._on_record = on_record
         self._label = label
         self._ranks = None if ranks is None else frozenset(ranks)
@@ -152,6 +154,6 @@ class OutputRouter:
         handle = self._files.get((rank, stream))
         if handle is None:
             name = f"rank{rank}.{'stdout' if stream == 'o' else 'stderr'}"
-            handle = open(os.path.join(self._output_dir, name), "wb", buffering=0)
+            handle = open(os.path.join(self._output_dir, name), self._mode, buffering=0)
             self._files[(rank, stream)] = handle
         return handle

@@ -30,6 +30,10 @@ class RankReport:
     started: bool = False
     error: dict | None = None
     exit: dict | None = None
+    #: The rank ended for a graceful resize of an elastic job.
+    resize: bool = False
+    #: The last "training again" record of an elastic job (its info, wall time).
+    resumed: dict | None = None
 
     def where(self) -> str:
         """``"rank 1 (pid 1234 on host)"``, with what is known."""
@@ -57,7 +61,8 @@ def apply(reports: dict[int, RankReport], record: dict) -> None:
     """Folds one record (as a supervisor sent it) into ``reports``; ignores malformed ones."""
     rank = record.get("rank")
     event = record.get("event")
-    if not isinstance(rank, int) or rank < 0 or event not in ("started", "error", "exit"):
+    if not isinstance(rank, int) or rank < 0 or event not in (
+            "started", "error", "exit", "resize", "resumed", "alive"):
         return
     report = reports.setdefault(rank, RankReport(rank))
     if isinstance(record.get("host"), str):
@@ -66,6 +71,10 @@ def apply(reports: dict[int, RankReport], record: dict) -> None:
         report.pid = record["pid"]
     if event == "started":
         report.started = True
+    elif event == "resize":
+        report.resize = True
+    elif event == "resumed" and isinstance(record.get("info"), dict):
+        report.resumed = dict(record["info"], wall=record.get("wall"))
     elif event == "error" and isinstance(record.get("error"), dict):
         report.error = record["error"]
     elif event == "exit":

@@ -57,6 +57,10 @@ import termios
 import time
 
 SUPERVISOR_FD_ENV = "KERAS_DIST_SUPERVISOR_FD"
+#: Set by kdrun in an elastic job (its value is the elastic job's identifier).
+ELASTIC_ENV = "KERAS_DIST_ELASTIC_JOB"
+#: How often a supervisor of an elastic job says it is alive.
+HEARTBEAT_SECONDS = 1.0
 MAGIC = b"\x1ekd1 "
 #: Largest frame written at once: below PIPE_BUF (4096), so a pipe write is atomic.
 FRAME_BYTES = 4000
@@ -162,6 +166,15 @@ def _set_pdeathsig(expected_parent: int) -> None:
         os._exit(1)
 
 
+def _readable_stdin() -> bool:
+    """Whether stdin is a pipe or socket this process may read notices from."""
+    try:
+        mode = os.fstat(0).st_mode
+    except OSError:
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
 def _pmi_fds(environ) -> tuple[int, ...]:
     """Descriptors the process manager handed down for MPI start-up (hydra's ``PMI_FD``)."""
     value = environ.get("PMI_FD", "")
@@ -251,9 +264,13 @@ class Supervisor:
         out_read, out_write = os.pipe()
         err_read, err_write = os.pipe()
         env = dict(self.environ, **{SUPERVISOR_FD_ENV: str(child_end.fileno())})
+        # In an elastic job kdrun sends host-update notices on the job's stdin
+        # (mpiexec forwards it to rank 0): this process reads them, the child not.
+        elastic = bool(self.environ.get(ELASTIC_ENV))
         try:
             self._proc = subprocess.Popen(
                 self.command, stdout=out_write, stderr=err_write, env=env,
+                stdin=subprocess.DEVNULL if elastic else None,
                 pass_fds=(child_end.fileno(), *_pmi_fds(self.environ)),
                 preexec_fn=functools.partial(_set_pdeathsig, os.getpid()),
             )
@@ -274,7 +291,8 @@ class Supervisor:
             on_signal(received[-1], None)
         # The copy of PMI_FD stays open here until this process exits: hydra kills
         # the job when that socket closes, which must come after the exit record.
-        returncode, mono, wall = self._watch(parent_end, out_read, err_read)
+        returncode, mono, wall = self._watch(parent_end, out_read, err_read,
+                                             notices=elastic and _readable_stdin())
         signum = -returncode if returncode < 0 else None
         self._send_record({
             "event": "exit", "pid": self._proc.pid, "started": self.started,
@@ -290,9 +308,11 @@ class Supervisor:
             return 1  # left without keras_dist.shutdown(): the job must stop
         return returncode
 
-    def _watch(self, channel: socket.socket, out_read: int, err_read: int):
+    def _watch(self, channel: socket.socket, out_read: int, err_read: int,
+               notices: bool = False):
         """Forwards output and records until the child has exited; returns
-        (returncode, monotonic time, wall time) of its exit."""
+        (returncode, monotonic time, wall time) of its exit. With ``notices``,
+        kdrun's ``hosts-updated N`` lines on stdin go to the child as ``H N``."""
         proc = self._proc
         selector = selectors.DefaultSelector()
         splitters = {out_read: LineSplitter(self.rank, "o"),
@@ -300,6 +320,13 @@ class Supervisor:
         for fd in splitters:
             selector.register(fd, selectors.EVENT_READ)
         selector.register(channel, selectors.EVENT_READ)
+        stdin_text = b""
+        if notices:
+            selector.register(0, selectors.EVENT_READ)
+        # In an elastic job kdrun judges a host lost when no record comes from
+        # it for a while: send one every HEARTBEAT_SECONDS.
+        heartbeat = bool(self.environ.get(ELASTIC_ENV))
+        next_beat = time.monotonic()
         pidfd = os.pidfd_open(proc.pid) if hasattr(os, "pidfd_open") else None
         if pidfd is not None:
             selector.register(pidfd, selectors.EVENT_READ)
@@ -310,12 +337,32 @@ class Supervisor:
             timeout = 0.05 if pidfd is None else None
             if drain_until is not None:
                 timeout = max(0.0, drain_until - time.monotonic())
+            if heartbeat:
+                if time.monotonic() >= next_beat:
+                    self._send_record({"event": "alive"})
+                    next_beat = time.monotonic() + HEARTBEAT_SECONDS
+                timeout = min(timeout if timeout is not None else HEARTBEAT_SECONDS,
+                              max(0.0, next_beat - time.monotonic()))
             for key, _ in selector.select(timeout):
                 fd = key.fd
                 if fd == pidfd:
                     selector.unregister(pidfd)
                     os.close(pidfd)
                     pidfd = -1
+                elif fd == 0:
+                    data = os.read(0, _READ_BYTES)
+                    if not data:
+                        selector.unregister(0)
+                        continue
+                    stdin_text += data
+                    *lines, stdin_text = stdin_text.split(b"\n")
+                    for line in lines:
+                        number = line.removeprefix(b"hosts-updated ").strip()
+                        if number.isdigit():
+                            try:
+                                channel.sendall(b"H %s\n" % number)
+                            except OSError:
+                                pass
                 elif key.fileobj is channel:
                     data = channel.recv(_READ_BYTES)
                     if not data:
@@ -395,6 +442,12 @@ class Supervisor:
                                "mono": time.monotonic(), "wall": time.time()})
         elif event == "finished":
             self.finished = True
+        elif event == "resize":
+            self._send_record({"event": "resize", "pid": self._proc.pid})
+        elif event == "resumed" and isinstance(record.get("info"), dict):
+            self._send_record({"event": "resumed", "pid": self._proc.pid,
+                               "info": record["info"], "mono": record.get("mono"),
+                               "wall": record.get("wall")})
         elif event == "error":
             # The child's own clock readings: when it raised, not when this
             # process got to read about it (same host, same CLOCK_MONOTONIC).

@@ -98,7 +98,13 @@ def test_exception_in_one_rank_ends_the_job(transport):
     assert result.returncode != 0, message
     _assert_rank_1_failed_first(result, "raised ValueError: injected fault")
     everything = result.stdout + result.stderr
-    assert everything.count("Traceback (most recent call last)") == 1, message
+    # The failing rank's traceback, once. A peer may print its own only when it
+    # saw rank 1 die before the process manager stopped it (a race a loaded
+    # machine sometimes loses), and then only as the consequence it is.
+    consequences = sum(result.output(rank).count("PeerFailureError: rank 1 ")
+                       for rank in (0, 2))
+    assert everything.count("Traceback (most recent call last)") == 1 + consequences, message
+    assert result.rank_stderr[1].count("Traceback (most recent call last)") == 1, message
     # Under kdrun the traceback is not labelled by keras_dist: kdrun labels lines.
     assert "\nValueError: injected fault\n" in result.rank_stderr[1], message
     assert "[keras_dist rank" not in result.rank_stderr[1], message

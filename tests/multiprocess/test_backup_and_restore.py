@@ -1,0 +1,175 @@
+"""BackupAndRestore on several ranks (issue 11, item 3), with keras_workers/backup.py.
+
+Each rank's backup directory is its own (``DIR/host<rank>/backup``), as on
+hosts with no shared file system, so the file system itself shows who wrote.
+
+- A: 2 ranks, uninterrupted (``kd.callbacks.BackupAndRestore``).
+- B: 2 ranks, a plain ``keras.callbacks.BackupAndRestore``; rank 1 SIGKILLs
+  itself at the second batch of epoch 2, after rank 0's backup of epoch 1;
+  kdrun fails and only ``host0/backup`` exists, holding epoch 2.
+- The same command as B, run again: every rank starts at epoch 2 with
+  iterations 12 and A's state after epoch 2, and ends with A's final state,
+  bit for bit (same data order, same kernels single-threaded, float32 values
+  stored exactly in the h5 file); rank 0 deletes the backup; no other rank
+  ever had one.
+- B's backup at 1 rank and at 3 ranks (same global batch): every rank
+  starts from A's state after epoch 2 bit for bit, and ends with the same
+  state as the others and 24 iterations; the result equals A's up to float32
+  rounding (the mean gradient over 24 samples summed in another order).
+
+A and B run at once, then the 1- and 3-rank resumes at once: about 40 s on
+an idle 2-core machine.
+"""
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from tests._mp import start_job
+from tests.multiprocess.test_resume import _assert_same_state
+
+WORKER = "tests/multiprocess/keras_workers/backup.py"
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
+EPOCHS, STEPS, KILL_EPOCH = 4, 6, 2  # as in the worker and the command below
+JOB_TIMEOUT = 90
+
+
+def _command(directory, kind, kill=False):
+    return ["python", WORKER, str(directory), kind, *(["--kill-epoch", str(KILL_EPOCH)] * kill)]
+
+
+def _wait_all(jobs):
+    try:
+        return [job.wait(JOB_TIMEOUT) for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+
+
+def _state(npz, prefix):
+    return {str(path): npz[f"{prefix}/{i}"] for i, path in enumerate(npz["paths"])}
+
+
+def _start_lines(result, size):
+    """Each rank's (epoch, iterations, digest) when its fit began; the same on all ranks."""
+    found = []
+    for rank in range(size):
+        match = re.search(r"fit starts at epoch (\d+), optimizer iterations (\d+), state (\w+)",
+                          result.output(rank))
+        assert match, result.describe()
+        found.append((int(match[1]), int(match[2]), match[3]))
+    assert all(entry == found[0] for entry in found), (found, result.describe())
+    return found[0]
+
+
+def _end_digest(result, size):
+    digests = set()
+    for rank in range(size):
+        match = re.search(rf"BACKUP WORKER OK rank {rank} size {size}: optimizer iterations "
+                          rf"{EPOCHS * STEPS}, state (\w+)", result.output(rank))
+        assert match, result.describe()
+        digests.add(match[1])
+    assert len(digests) == 1, (digests, result.describe())
+    return digests.pop()
+
+
+@pytest.fixture(scope="module")
+def first_runs(tmp_path_factory):
+    """A and B at once; returns A's result and snapshots, B's directory and a copy of its backup."""
+    root = tmp_path_factory.mktemp("backup")
+    full, killed, saved = root / "full", root / "killed", root / "saved"
+    full.mkdir()
+    killed.mkdir()
+    full_result, killed_result = _wait_all([
+        start_job(_command(full, "kd"), np=2, env=ENV),
+        start_job(_command(killed, "keras", kill=True), np=2, env=ENV),
+    ])
+    full_result.check()
+    assert not killed_result.timed_out, killed_result.describe()
+    assert killed_result.returncode != 0, killed_result.describe()
+    assert f"KILLING rank 1 in epoch {KILL_EPOCH}, batch 1" in killed_result.output(1), \
+        killed_result.describe()
+    assert not killed_result.leftovers, killed_result.describe()
+    # One writer: rank 0's directory alone exists, and holds the last epoch's backup.
+    assert sorted(p.parent.name for p in killed.glob("host*/backup")) == ["host0"], \
+        killed_result.describe()
+    backup = killed / "host0" / "backup"
+    assert sorted(p.name for p in backup.iterdir()) == \
+        ["latest.weights.h5", "training_metadata.json"]
+    assert f'"epoch": {KILL_EPOCH}' in (backup / "training_metadata.json").read_text()
+    shutil.copytree(backup, saved)
+    return {"full": np.load(full / "result-np2.npz"), "full_result": full_result,
+            "killed": killed, "saved": saved}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(220)  # includes the fixture's jobs
+def test_same_command_again_resumes_on_every_rank_bit_for_bit(first_runs):
+    killed = first_runs["killed"]
+    result = _wait_all([start_job(_command(killed, "keras", kill=True), np=2, env=ENV)])[0]
+    result.check()
+    assert "KILLING" not in result.stdout, result.describe()
+    epoch, iterations, _ = _start_lines(result, 2)
+    assert (epoch, iterations) == (KILL_EPOCH, KILL_EPOCH * STEPS), result.describe()
+    assert _end_digest(result, 2) == _end_digest(first_runs["full_result"], 2)
+    resumed, full = np.load(killed / "result-np2.npz"), first_runs["full"]
+    _assert_same_state(_state(resumed, "loaded"), _state(full, f"epoch{KILL_EPOCH}"),
+                       "restored state")
+    for done in range(KILL_EPOCH + 1, EPOCHS + 1):
+        _assert_same_state(_state(resumed, f"epoch{done}"), _state(full, f"epoch{done}"),
+                           f"after epoch {done}")
+    # Rank 0 deleted its backup at the end; no other rank ever wrote one.
+    assert not list(killed.glob("host*/backup")), list(killed.rglob("*"))
+    assert [p.name for p in killed.glob("host*")] == ["host0"]
+
+
+@pytest.fixture(scope="module")
+def other_sizes(first_runs, tmp_path_factory):
+    """B's backup resumed at 1 rank and at 3 ranks, at once."""
+    directories = {}
+    for size in (1, 3):
+        directory = tmp_path_factory.mktemp(f"resume-np{size}")
+        shutil.copytree(first_runs["saved"], directory / "host0" / "backup")
+        directories[size] = directory
+    results = _wait_all([start_job(_command(directories[1], "kd"), np=1, env=ENV),
+                         start_job(_command(directories[3], "keras"), np=3, env=ENV)])
+    return {size: (directories[size], result) for size, result in zip((1, 3), results)}
+
+
+@pytest.mark.parametrize("size", [1, 3])
+@pytest.mark.slow
+@pytest.mark.timeout(220)
+def test_backup_of_two_ranks_resumes_at_another_size(first_runs, other_sizes, size):
+    directory, result = other_sizes[size]
+    result.check()
+    epoch, iterations, _ = _start_lines(result, size)
+    assert (epoch, iterations) == (KILL_EPOCH, KILL_EPOCH * STEPS), result.describe()
+    _end_digest(result, size)  # every rank ends with the same state and all iterations
+    resumed, full = np.load(directory / f"result-np{size}.npz"), first_runs["full"]
+    _assert_same_state(_state(resumed, "loaded"), _state(full, f"epoch{KILL_EPOCH}"),
+                       "restored state")
+    final, expected = _state(resumed, f"epoch{EPOCHS}"), _state(full, f"epoch{EPOCHS}")
+    assert list(final) == list(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(final[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert not list(directory.glob("host*/backup")), "rank 0 deletes the backup at the end"
+    assert [p.name for p in directory.glob("host*")] == ["host0"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(220)
+def test_kdrun_max_restarts_relaunches_a_plain_fit_script(first_runs, tmp_path):
+    """The README recipe: one kdrun command; rank 1 dies in epoch 2, kdrun
+    relaunches, every rank resumes from rank 0's backup and ends with A's state."""
+    job = start_job(_command(tmp_path, "keras", kill=True), np=2, env=ENV,
+                    kdrun_args=["--max-restarts", "1"])
+    result = _wait_all([job])[0]
+    result.check()
+    assert not result.leftovers, result.describe()
+    assert f"KILLING rank 1 in epoch {KILL_EPOCH}, batch 1" in result.stdout, result.describe()
+    assert "rank 1 failed; restarting (restart 1 of 1)" in result.launcher_stderr, (
+        result.describe())
+    assert _end_digest(result, 2) == _end_digest(first_runs["full_result"], 2)
+    assert not list(tmp_path.glob("host*/backup")), "rank 0 deletes the backup at the end"
