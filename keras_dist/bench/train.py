@@ -45,7 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m keras_dist.bench train",
         description="Training throughput of keras_dist beside plain Keras (1 process and N "
         "processes at once) in the same run. Launch on N ranks with kdrun.")
-    parser.add_argument("--model", choices=MODELS, default="cnn")
+    parser.add_argument(
+        "--model", default="cnn", metavar="NAME",
+        help=f"one of {', '.join(MODELS)}; a keras.applications name (ResNet50, "
+        "MobileNetV2, ...: random weights, --image-size square RGB inputs, 10 classes); or "
+        "MODULE:FUNCTION, a function returning an uncompiled Keras model whose output is "
+        "class logits. Default cnn")
+    parser.add_argument("--image-size", type=int, default=32,
+                        help="side of the images for keras.applications models; default 32")
     parser.add_argument("--batch-size", type=int, default=32, help="per rank; default 32")
     parser.add_argument("--num-warmup-batches", type=int, default=5,
                         help="untimed steps per kind of block; default 5")
@@ -72,6 +79,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1. "
                          f"Received: {getattr(args, name)}")
+    if args.image_size < 1:
+        parser.error(f"--image-size must be >= 1. Received: {args.image_size}")
+    if args.model not in MODELS and ":" not in args.model:
+        import keras
+
+        if not callable(getattr(keras.applications, args.model, None)):
+            parser.error(f"--model must be one of {', '.join(MODELS)}, a keras.applications "
+                         f"name (ResNet50, MobileNetV2, ...) or MODULE:FUNCTION. "
+                         f"Received: {args.model!r}")
     if args.num_warmup_batches < 0 or args.threads < 0:
         parser.error("--num-warmup-batches and --threads must be >= 0. Received: "
                      f"{args.num_warmup_batches}, {args.threads}")
@@ -82,12 +98,37 @@ def input_shape(model: str) -> tuple[int, ...]:
     return {"mlp": (784,), "cnn": (28, 28, 1), "resnet-small": (32, 32, 3)}[model]
 
 
-def build_model(name: str):
-    """The benchmark's models: small, as this project's CPU machines train them."""
+def _other_model(name: str, image_size: int):
+    """A keras.applications model, or the model MODULE:FUNCTION returns (see --model)."""
+    import importlib
+
+    import keras
+
+    if ":" in name:
+        module_name, _, function_name = name.partition(":")
+        function = getattr(importlib.import_module(module_name), function_name, None)
+        if not callable(function):
+            raise ValueError(f"--model {name}: {module_name} has no function "
+                             f"{function_name!r}.")
+        model = function()
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"--model {name} must return a keras.Model. Received: "
+                            f"{type(model).__name__}")
+        return model
+    return getattr(keras.applications, name)(
+        weights=None, input_shape=(image_size, image_size, 3), classes=10,
+        classifier_activation=None)
+
+
+def build_model(name: str, image_size: int = 32):
+    """The benchmark's models: small, as this project's CPU machines train them, or
+    any other (``--model``), built with the same random seed every time."""
     import keras
     from keras import layers
 
     keras.utils.set_random_seed(_SEED)
+    if name not in MODELS:
+        return _other_model(name, image_size)
     inputs = keras.Input(input_shape(name))
     if name == "mlp":  # the MNIST example's size class
         x = layers.Dense(512, activation="relu")(inputs)
@@ -114,10 +155,10 @@ def build_model(name: str):
     return keras.Model(inputs, outputs, name=name.replace("-", "_"))
 
 
-def _compiled(name: str, optimizer):
+def _compiled(name: str, optimizer, image_size: int = 32):
     import keras
 
-    model = build_model(name)
+    model = build_model(name, image_size)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
@@ -162,23 +203,29 @@ def run(args: argparse.Namespace) -> int:
     kd.init(process_sets=[solo] if solo is not None else None)
     rank, size = kd.rank(), kd.size()
     rng = np.random.default_rng([_SEED, rank])
-    x = rng.normal(size=(args.batch_size, *input_shape(args.model))).astype("float32")
-    y = rng.integers(0, 10, size=(args.batch_size,))
+    probe = build_model(args.model, args.image_size)
+    parameters = probe.count_params()
+    x = rng.normal(size=(args.batch_size, *probe.input_shape[1:])).astype("float32")
+    y = rng.integers(0, probe.output_shape[-1], size=(args.batch_size,))
+    del probe
 
     def say(line: str = "") -> None:
         if rank == 0:
             print(line, flush=True)
 
     models = {
-        "single": _compiled(args.model, keras.optimizers.SGD(0.01)) if rank == 0 else None,
+        "single": (_compiled(args.model, keras.optimizers.SGD(0.01), args.image_size)
+                   if rank == 0 else None),
         "kd1": (_compiled(args.model, kd.DistributedOptimizer(
-            keras.optimizers.SGD(0.01), process_set=solo)) if rank == 0 else None),
+            keras.optimizers.SGD(0.01), process_set=solo), args.image_size)
+                if rank == 0 else None),
     }
     if size > 1:
-        models["independent"] = _compiled(args.model, keras.optimizers.SGD(0.01))
-        models["kd"] = _compiled(args.model, kd.DistributedOptimizer(keras.optimizers.SGD(0.01)))
+        models["independent"] = _compiled(args.model, keras.optimizers.SGD(0.01),
+                                          args.image_size)
+        models["kd"] = _compiled(args.model, kd.DistributedOptimizer(keras.optimizers.SGD(0.01)),
+                                 args.image_size)
     kinds = [k for k in ("single", "kd1", "independent", "kd") if k in models]
-    parameters = build_model(args.model).count_params()
     say(f"Model: {args.model} ({parameters / 1e6:.3f} M parameters), batch size "
         f"{args.batch_size} per rank, {size} rank(s), threads per rank "
         f"{args.threads or 'default'}, backend {keras.backend.backend()}")

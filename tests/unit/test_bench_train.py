@@ -12,7 +12,8 @@ def test_defaults_and_bad_arguments():
     args = train.parse_args([])
     assert (args.model, args.batch_size, args.threads) == ("cnn", 32, 1)
     for argv in (["--batch-size", "0"], ["--num-iters", "0"], ["--num-warmup-batches", "-1"],
-                 ["--model", "vgg"]):
+                 ["--model", "vgg"], ["--model", "NoSuchApplication"],
+                 ["--image-size", "0"]):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
 
@@ -42,6 +43,27 @@ def test_models_build_with_their_input_shape(name):
     assert tuple(model.input_shape[1:]) == train.input_shape(name)
     assert model.output_shape == (None, 10)
     assert 1e4 < model.count_params() < 2e6
+
+
+def tiny_model():
+    """A model from outside the benchmark (``--model tests.unit.test_bench_train:tiny_model``)."""
+    import keras
+
+    inputs = keras.Input((5, 3))
+    return keras.Model(inputs, keras.layers.Dense(7)(keras.layers.Flatten()(inputs)))
+
+
+def test_other_models_keras_applications_and_module_function():
+    args = train.parse_args(["--model", "MobileNetV2", "--image-size", "40"])
+    model = train.build_model(args.model, args.image_size)
+    assert model.input_shape == (None, 40, 40, 3) and model.output_shape == (None, 10)
+    assert model.layers[-1].activation.__name__ == "linear"  # logits, as the loss expects
+    model = train.build_model(f"{__name__}:tiny_model")
+    assert model.input_shape == (None, 5, 3) and model.output_shape == (None, 7)
+    with pytest.raises(ValueError, match="has no function 'missing'"):
+        train.build_model(f"{__name__}:missing")
+    with pytest.raises(TypeError, match="must return a keras.Model. Received: str"):
+        train.build_model("os:getcwd")
 
 
 def test_plots_write_png_files(tmp_path):
