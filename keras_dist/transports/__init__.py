@@ -105,7 +105,7 @@ def gpu_transport(group) -> Transport:
         if want == "nccl":
             from keras_dist.transports.nccl import NcclTransport
 
-            group.gpu_transport = NcclTransport(group.comm, group.local_rank)
+            group.gpu_transport = NcclTransport(group.comm, group.local_rank, group.config)
         else:
             from keras_dist.transports.staged import HostStagedTransport
 

@@ -52,6 +52,17 @@ class Transport(abc.ABC):
     def barrier(self) -> None:
         """Returns once every rank has entered the barrier."""
 
+    def complete(self, what: str) -> None:
+        """Returns once the work this transport has queued has finished.
+
+        Transports whose collectives return when done (every CPU one) have
+        nothing to wait for. A device transport (NCCL) queues its calls on a
+        stream; the tensor layer calls this once per collective call (not per
+        tensor), and it waits boundedly, raising as a waiting CPU transport
+        does. ``what`` names the call in messages.
+        """
+        return None
+
     def scratch(self, nbytes: int) -> np.ndarray:
         """A reusable byte buffer of at least ``nbytes`` for packing messages.
 

@@ -3,7 +3,11 @@
 The NCCL unique id travels over MPI (the control plane). Work is queued on a
 stream of the transport's own, ordered after everything already queued on
 the caller's current stream, and the caller's stream waits for it: the
-synchronisation is explicit, and the host never blocks on the GPU.
+synchronisation is explicit, by events (``device_queue.DeviceQueue``).
+``complete`` is the one host wait, once per call of the tensor layer: bounded
+(peer liveness, ``KERAS_DIST_TIMEOUT_SECONDS``, NCCL's asynchronous errors),
+and on a failure the communicator is aborted (``ncclCommAbort``) and the
+error raised, so a dead rank or a stall raises as on the CPU transports.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from keras_dist import _vocab
+from keras_dist._runtime.liveness import Waiter, describe_peers
 from keras_dist.errors import TransportError
 from keras_dist.transports.base import Transport
+from keras_dist.transports.device_queue import DeviceQueue
 
 # ncclDataType_t and ncclRedOp_t values (stable across NCCL 2.x releases).
 _NCCL_DTYPES = {
@@ -39,11 +45,17 @@ def _import_nccl():
 
 
 class NcclTransport(Transport):
-    """Collectives on cupy device arrays over an NCCL communicator."""
+    """Collectives on cupy device arrays over an NCCL communicator.
+
+    Args:
+        comm: the group's MPI communicator (the unique id travels over it).
+        local_rank: this rank on its machine (chooses the GPU).
+        config: the process's ``Config`` (stall warning and timeout of ``complete``).
+    """
 
     name = "nccl"
 
-    def __init__(self, comm, local_rank: int) -> None:
+    def __init__(self, comm, local_rank: int, config) -> None:
         super().__init__()
         cupy, nccl = _import_nccl()
         self._cupy, self._nccl = cupy, nccl
@@ -54,23 +66,25 @@ class NcclTransport(Transport):
         self.device.use()
         unique_id = nccl.get_unique_id() if comm.Get_rank() == 0 else None
         unique_id = comm.bcast(unique_id, root=0)
-        self.comm = self._call(nccl.NcclCommunicator, comm.Get_size(), unique_id,
-                               comm.Get_rank())
-        self.stream = cupy.cuda.Stream(non_blocking=True)
-
-    def _call(self, function, *args):
+        peers = describe_peers(comm)
         try:
-            return function(*args)
-        except self._nccl.NcclError as error:
+            self.comm = nccl.NcclCommunicator(comm.Get_size(), unique_id, comm.Get_rank())
+        except nccl.NcclError as error:
             status = getattr(error, "status", None)
-            raise TransportError(f"NCCL failed (status {status}): {error}") from error
+            raise TransportError(f"NCCL failed to create its communicator on rank "
+                                 f"{comm.Get_rank()} (status {status}): {error}") from error
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        waiter = Waiter(peers, comm.Get_rank(), config.stall_check_seconds,
+                        config.timeout_seconds, self.name)
+        self.queue = DeviceQueue(self.stream, cupy.cuda.get_current_stream, self.comm, waiter,
+                                 nccl.NcclError, comm.Get_rank(), self.name)
 
-    def _enqueue(self, launch) -> None:
+    def _enqueue(self, launch, what: str) -> None:
         """Runs ``launch(stream_ptr)`` ordered after, and before, the caller's stream."""
-        caller = self._cupy.cuda.get_current_stream()
-        self.stream.wait_event(caller.record())
-        self._call(launch, self.stream.ptr)
-        caller.wait_event(self.stream.record())
+        self.queue.launch(launch, what)
+
+    def complete(self, what: str) -> None:
+        self.queue.complete(what)
 
     def _code(self, buf) -> int:
         code = _NCCL_DTYPES.get(_vocab.dtype_code(buf.dtype))
@@ -78,16 +92,21 @@ class NcclTransport(Transport):
             raise TypeError(f"NCCL cannot carry dtype {np.dtype(buf.dtype).name}")
         return code
 
-    def allreduce(self, buf, op: int) -> None:
+    def allreduce(self, buf, op: int, name: str | None = None, send=None) -> None:
+        if send is not None:
+            buf[...] = send
         dtype = self._code(buf)
         self._enqueue(lambda stream: self.comm.allReduce(
-            buf.data.ptr, buf.data.ptr, buf.size, dtype, _NCCL_OPS[op], stream))
+            buf.data.ptr, buf.data.ptr, buf.size, dtype, _NCCL_OPS[op], stream),
+            f"allreduce op={_vocab.OP_NAMES[op]} dtype={buf.dtype.name} count={buf.size} "
+            f"{name or ''}")
 
-    def broadcast(self, buf, root: int) -> None:
+    def broadcast(self, buf, root: int, name: str | None = None) -> None:
         dtype = self._code(buf)
-        self._enqueue(lambda stream: self.comm.bcast(buf.data.ptr, buf.size, dtype, root, stream))
+        self._enqueue(lambda stream: self.comm.bcast(buf.data.ptr, buf.size, dtype, root, stream),
+                      f"broadcast root={root} bytes={buf.nbytes} {name or ''}")
 
-    def allgatherv(self, send, recv, counts: Sequence[int]) -> None:
+    def allgatherv(self, send, recv, counts: Sequence[int], name: str | None = None) -> None:
         # NCCL's allgather needs equal counts: pad each rank's part to the largest.
         cupy = self._cupy
         width = max(counts)
@@ -96,7 +115,8 @@ class NcclTransport(Transport):
         padded_recv = cupy.empty(width * len(counts), send.dtype)
         dtype = self._code(send)
         self._enqueue(lambda stream: self.comm.allGather(
-            padded_send.data.ptr, padded_recv.data.ptr, width, dtype, stream))
+            padded_send.data.ptr, padded_recv.data.ptr, width, dtype, stream),
+            f"allgather dtype={send.dtype.name} counts={list(counts)} {name or ''}")
         offset = 0
         for rank, count in enumerate(counts):
             recv[offset : offset + count] = padded_recv[rank * width : rank * width + count]
@@ -104,8 +124,8 @@ class NcclTransport(Transport):
 
     def barrier(self) -> None:
         token = self._cupy.zeros(1, np.int32)
-        self.allreduce(token, _vocab.SUM)
-        self._cupy.cuda.get_current_stream().synchronize()
+        self.allreduce(token, _vocab.SUM, name="barrier")
+        self.complete("barrier")
 
     def scratch(self, nbytes: int):
         if getattr(self, "_device_scratch", None) is None or self._device_scratch.nbytes < nbytes:
@@ -114,5 +134,5 @@ class NcclTransport(Transport):
 
     def close(self) -> None:
         comm, self.comm = getattr(self, "comm", None), None
-        if comm is not None:
+        if comm is not None and self.queue.failure is None:  # an aborted one is freed
             comm.destroy()

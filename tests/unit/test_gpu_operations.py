@@ -84,8 +84,8 @@ def test_auto_takes_nccl_only_when_every_rank_can(monkeypatch):
     import keras_dist.transports.nccl as nccl_module
 
     class StubNccl:
-        def __init__(self, comm, local_rank):
-            self.comm, self.local_rank = comm, local_rank
+        def __init__(self, comm, local_rank, config):
+            self.comm, self.local_rank, self.config = comm, local_rank, config
 
     monkeypatch.setattr(transports, "nccl_available", lambda: True)
     monkeypatch.setattr(nccl_module, "NcclTransport", StubNccl)
@@ -94,6 +94,7 @@ def test_auto_takes_nccl_only_when_every_rank_can(monkeypatch):
     every_rank_can = _group("auto", peers=[True, True])
     chosen = transports.gpu_transport(every_rank_can)
     assert isinstance(chosen, StubNccl) and chosen.comm is every_rank_can.comm
+    assert chosen.config is every_rank_can.config  # its waits take the group's timeout
 
 
 class _DeviceArray(np.ndarray):
