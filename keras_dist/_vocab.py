@@ -113,10 +113,22 @@ def finishing_scale(op: ReduceOp, dtype, size: int, postscale: float = 1.0) -> f
     return postscale / size if op is ReduceOp.AVERAGE else postscale
 
 
-def finish_reduction(flat, op: ReduceOp, size: int, postscale: float = 1.0) -> None:
-    """Applies ``finishing_scale`` to ``flat`` in place (numpy or cupy)."""
+def scale_in_place(array, factor: float, xp=np) -> None:
+    """``array *= factor`` in ``array``'s dtype (``xp``: numpy or cupy), as Horovod
+    scales: half precision in float32 arithmetic, integers in float64 then
+    truncated toward zero."""
+    if factor == 1.0:
+        return
+    if is_float(array.dtype) and np.dtype(array.dtype).itemsize == 2:
+        factor = np.float32(factor)
+    xp.multiply(array, factor, out=array, casting="unsafe")
+
+
+def finish_reduction(flat, op: ReduceOp, size: int, postscale: float = 1.0, xp=np) -> None:
+    """Applies ``finishing_scale`` to ``flat`` in place (``xp``: numpy or cupy); an
+    integer ``Average`` rounds down, then takes any ``postscale``."""
     scale = finishing_scale(op, flat.dtype, size, postscale)
     if scale is None:
         flat //= size
-    elif scale != 1.0:
-        flat *= scale
+        scale = postscale
+    scale_in_place(flat, scale, xp)

@@ -47,6 +47,12 @@ def _jax():
     return jax_glue
 
 
+def _tf():
+    from keras_dist.tensor import tf_glue
+
+    return tf_glue
+
+
 def is_indexed_slices(value) -> bool:
     """True for a TensorFlow ``IndexedSlices`` (a sparse gradient)."""
     return type(value).__name__ == "IndexedSlices" and is_tf(value)
@@ -301,6 +307,54 @@ def _mentions_tf(values) -> bool:
 
 
 # ---------------------------------------------------------------------------
+# The device path: GPU tensors handed over by DLPack, no host copy.
+#
+# Each framework's glue module (``torch_glue``, ``jax_glue``, ``tf_glue``) has
+# ``device_module(values)`` (cupy when the values can take the device path,
+# else None), ``device_scope(values, xp)`` (cupy's device and stream for
+# them), ``to_device_arrays(values, xp)`` and ``from_device_arrays(arrays,
+# templates, xp)``; where the framework needs a synchronisation, the last two
+# make it once per call. ``xp`` is cupy on a GPU; the CPU tests pass numpy.
+
+
+def device_path(values: Sequence):
+    """The glue module and array module for ``values`` on the device path, or None.
+
+    Eager values only, all of one framework (torch, JAX or TensorFlow), each
+    on a GPU, of a dtype the device path carries, with cupy importable.
+    """
+    if not values:
+        return None
+    if all(is_torch(v) for v in values):
+        glue = _torch()
+    elif all(is_jax(v) and not _jax().is_traced(v) for v in values):
+        glue = _jax()
+    elif all(is_tf(v) and not is_symbolic(v) for v in values):
+        glue = _tf()
+    else:
+        return None
+    xp = glue.device_module(values)
+    return None if xp is None else (glue, xp)
+
+
+def run_on_device(values: Sequence, device_fn: Callable[[list], list], glue, xp) -> list:
+    """``device_fn`` (device arrays in and out) on framework ``values``, by DLPack.
+
+    An output that is its input array comes back as the input value itself.
+    """
+    with glue.device_scope(values, xp):
+        arrays = glue.to_device_arrays(values, xp)
+        results = device_fn(arrays)
+        changed = [i for i, (r, a) in enumerate(zip(results, arrays)) if r is not a]
+        converted = glue.from_device_arrays([results[i] for i in changed],
+                                            [values[i] for i in changed], xp)
+    outputs = list(values)
+    for index, value in zip(changed, converted):
+        outputs[index] = value
+    return outputs
+
+
+# ---------------------------------------------------------------------------
 # The bridge.
 
 #: ``grad(inputs, outputs, upstream) -> list``: the gradients with respect to
@@ -313,7 +367,8 @@ GradFn = Callable[[list, list, list], list]
 
 def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray]],
         name: str, shapes: Callable[[list], list] | None = None, grad: GradFn | None = None,
-        out_dtypes: Sequence | None = None) -> list:
+        out_dtypes: Sequence | None = None,
+        device_fn: Callable[[list], list] | None = None) -> list:
     """Applies ``numpy_fn`` to ``values``; TF values get a TF op, with a gradient.
 
     Eager values are converted to numpy and back (each output as the kind of
@@ -332,6 +387,13 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
             ``tf.gradients``); see ``GradFn``.
         out_dtypes: the outputs' dtypes (default: the inputs' dtypes, one
             output per input).
+        device_fn: what ``numpy_fn`` does, on device arrays (cupy), same
+            shapes and dtypes out; where given, GPU values take it without a
+            host copy: eager torch, JAX and TF GPU tensors
+            (``device_path``), JAX inside ``jax.jit`` on a GPU (a buffer
+            callback), TF inside a ``tf.function`` when TensorFlow sees a GPU
+            and cupy imports (a ``tf.py_function`` op whose tensors on a GPU
+            take it, the others ``numpy_fn``).
 
     Returns:
         The outputs as a list.
@@ -344,8 +406,13 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
     values = [unwrap(v) for v in values]
     if any(is_jax(v) and _jax().is_traced(v) for v in values):
         same_shapes = shapes is None and (out_dtypes is None or len(out_dtypes) == len(values))
-        return _jax().run_traced(values, numpy_fn, name, out_dtypes, same_shapes)
+        return _jax().run_traced(values, numpy_fn, name, out_dtypes, same_shapes,
+                                 device_fn if same_shapes else None)
+    same_outputs = shapes is None and out_dtypes is None
     if not any(is_tf(v) for v in values):
+        path = device_path(values) if device_fn is not None and same_outputs else None
+        if path is not None:
+            return run_on_device(values, device_fn, *path)
         arrays = numpy_fn([to_numpy(v) for v in values])
         return [like(values[min(i, len(values) - 1)], a) for i, a in enumerate(arrays)]
     import tensorflow as tf
@@ -355,10 +422,16 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
               else [t.dtype for t in tensors])
     symbolic = any(is_symbolic(t) for t in tensors)
 
+    on_device = device_fn if device_fn is not None and same_outputs else None
+
     def forward(*inputs):
         if symbolic:
-            return _graph_op(list(inputs), numpy_fn, name, shapes, dtypes)
+            return _graph_op(list(inputs), numpy_fn, name, shapes, dtypes,
+                             on_device if on_device and _tf_device_path_available() else None)
+        path = device_path(inputs) if on_device is not None else None
         try:
+            if path is not None:
+                return run_on_device(list(inputs), on_device, *path)
             arrays = numpy_fn([t.numpy() for t in inputs])
         except (CollectiveMismatchError, ValueError, TypeError, NotImplementedError) as error:
             raise as_tf_error(error) from error
@@ -373,6 +446,14 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
     # Eagerly, each output is the kind of value its input was (numpy stays numpy).
     return [r if is_tf(v) else like(v, r.numpy())
             for r, v in zip(results, _templates(values, len(results)))]
+
+
+def _tf_device_path_available() -> bool:
+    """True when a traced TF step may hand GPU tensors to cupy: TF sees a GPU and
+    cupy imports (read when the step is traced)."""
+    from keras_dist.tensor import gpu
+
+    return _tf().gpu_visible() and gpu.cupy_or_none() is not None
 
 
 def _templates(inputs: Sequence, count: int) -> list:
@@ -455,13 +536,27 @@ def _func_graph_class() -> type:
 
 
 def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | None,
-              dtypes: list) -> list:
-    """``numpy_fn`` as one stateful graph op, failing as ``run`` says."""
+              dtypes: list, device_fn: Callable | None = None) -> list:
+    """``numpy_fn`` as one stateful graph op, failing as ``run`` says.
+
+    Without ``device_fn``: a ``tf.numpy_function``. With it: a
+    ``tf.py_function``, which hands the function TF tensors on the op's
+    device: on a GPU, they take ``device_fn`` by DLPack (``tf_glue`` says how
+    it is ordered against TensorFlow's stream); elsewhere ``numpy_fn``.
+    """
     import tensorflow as tf
+
+    def reduce(inputs: list) -> list:
+        if device_fn is None:
+            return numpy_fn(inputs)
+        path = device_path(inputs)
+        if path is not None:
+            return run_on_device(inputs, device_fn, *path)
+        return numpy_fn([t.numpy() for t in inputs])
 
     def call(*arrays):
         try:
-            results = numpy_fn(list(arrays))
+            results = reduce(list(arrays))
         except CollectiveMismatchError as error:
             # Outputs of the right dtypes for the op to finish; the ReadFile
             # op below fails the step before anything reads them.
@@ -471,8 +566,13 @@ def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | N
         return [*results, np.bytes_(os.devnull.encode())]
 
     with _after_previous_collective() as remember:
-        *outputs, status = tf.numpy_function(
-            call, tensors, Tout=[*dtypes, tf.string], stateful=True, name=f"keras_dist_{name}")
+        if device_fn is None:
+            *outputs, status = tf.numpy_function(
+                call, tensors, Tout=[*dtypes, tf.string], stateful=True,
+                name=f"keras_dist_{name}")
+        else:
+            *outputs, status = tf.py_function(
+                call, tensors, Tout=[*dtypes, tf.string], name=f"keras_dist_{name}")
         remember(status.op)
     status.set_shape(())
     static = (shapes([t.shape for t in tensors]) if shapes

@@ -7,15 +7,29 @@ function once per call of the compiled step, in program order, so every rank
 runs its collectives in the same sequence, with or without XLA. Outputs of a
 traced collective must have static shapes: collectives whose output shape
 depends on other ranks (allgather, alltoall, ...) raise a clear error there.
+
+On a GPU (JAX's default backend is a GPU and cupy imports), an allreduce
+inside ``jax.jit`` is instead a ``jax.experimental.buffer_callback``: the
+callback receives the device buffers and XLA's execution stream, so the
+values go to cupy by DLPack, are fused and reduced by NCCL on that stream,
+and are written into the output buffers, without a host copy (see
+``run_traced_on_device`` for the ordering). JAX's own collectives are not
+used: they need every process's devices in one JAX mesh
+(``jax.distributed``), which Keras's per-process jitted step does not have.
+Eager JAX arrays on a GPU go to cupy and back by DLPack, whose stream
+argument orders them.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from keras_dist.tensor import gpu
 
 
 def is_traced(value) -> bool:
@@ -37,8 +51,11 @@ def like(template, array: np.ndarray):
 
 
 def run_traced(values: Sequence, numpy_fn: Callable, name: str,
-               out_dtypes: Sequence | None, same_shapes: bool) -> list:
-    """``numpy_fn`` on traced values as one ordered host callback."""
+               out_dtypes: Sequence | None, same_shapes: bool,
+               device_fn: Callable | None = None) -> list:
+    """``numpy_fn`` on traced values as one ordered host callback; ``device_fn``
+    (device arrays in and out, same shapes and dtypes), where given, as a
+    buffer callback on the GPU when ``traced_device_module`` finds one."""
     if not same_shapes:
         raise NotImplementedError(
             f"keras_dist `{name}` on a traced JAX array needs a static output shape, which "
@@ -46,6 +63,10 @@ def run_traced(values: Sequence, numpy_fn: Callable, name: str,
             "step is jitted). Received: a traced input of shape "
             f"{tuple(values[0].shape)}")
     values = [jnp.asarray(v) for v in values]
+    if device_fn is not None and out_dtypes is None:
+        xp = traced_device_module(values)
+        if xp is not None:
+            return run_traced_on_device(values, device_fn, xp)
     dtypes = list(out_dtypes) if out_dtypes is not None else [v.dtype for v in values]
     results = [jax.ShapeDtypeStruct(v.shape, d) for v, d in zip(values, dtypes)]
 
@@ -57,3 +78,89 @@ def run_traced(values: Sequence, numpy_fn: Callable, name: str,
     from jax.experimental import io_callback
 
     return list(io_callback(host, tuple(results), *values, ordered=True))
+
+
+# ---------------------------------------------------------------------------
+# The device path.
+
+
+def _on_gpu(array) -> bool:
+    return all(device.platform == "gpu" for device in array.devices())
+
+
+def device_module(arrays):
+    """cupy when every (eager) array is on a GPU, of a dtype the device path
+    carries, and cupy imports; None otherwise (the host path)."""
+    if not all(_on_gpu(a) for a in arrays) or not gpu.carries(a.dtype for a in arrays):
+        return None
+    return gpu.cupy_or_none()
+
+
+def device_scope(arrays, xp):
+    """cupy on the arrays' GPU; DLPack's stream argument orders the hand-overs."""
+    if xp is np:
+        return contextlib.nullcontext()
+    return gpu.device_scope(xp, arrays[0].__dlpack_device__()[1])
+
+
+def to_device_arrays(arrays, xp) -> list:
+    return [xp.from_dlpack(a) for a in arrays]
+
+
+def from_device_arrays(arrays, templates, xp) -> list:
+    return [jnp.from_dlpack(a) for a in arrays]
+
+
+def traced_device_module(values):
+    """cupy when JAX compiles for a GPU, the values' dtypes are carried and cupy
+    imports; None otherwise (the ordered host callback serves)."""
+    if jax.default_backend() != "gpu" or not gpu.carries(v.dtype for v in values):
+        return None
+    return gpu.cupy_or_none()
+
+
+#: (trace, an output of the last device callback traced in it): the next one
+#: in the same trace takes it as an input, so XLA runs them in program order.
+_last_device_call: list = [None, None]
+
+
+def run_traced_on_device(values: Sequence, device_fn: Callable, xp) -> list:
+    """``device_fn`` inside ``jax.jit`` as one buffer callback on XLA's stream.
+
+    Ordering: the callback runs when XLA reaches it on its execution stream
+    (``ctx.stream``), after the ops that produced its inputs; cupy works on that
+    stream (``gpu.device_scope``), NCCL on its own stream ordered after and
+    before it by events, and the outputs are written on it, so XLA's next ops
+    read them without a host wait; the collective's bounded wait is the host's
+    only wait. A buffer callback, unlike ``io_callback(ordered=True)``, is not
+    ordered by an effect token: each one traced in the same function takes an
+    output of the previous one as an extra input, so every rank runs them in
+    the order they were traced.
+
+    ``xp`` is cupy on a GPU; the CPU tests pass numpy (buffers on the CPU,
+    no stream).
+    """
+    from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
+
+    values = [jnp.asarray(v) for v in values]
+    results = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values)
+    count = len(values)
+    trace = getattr(values[0], "_trace", None)
+    previous = [_last_device_call[1]] if trace is not None and \
+        _last_device_call[0] is trace else []
+
+    def callback(ctx, outputs, *buffers) -> None:
+        if ctx.stage != ExecutionStage.EXECUTE:
+            return
+        buffers = buffers[:count]
+        stream = None if xp is np else ctx.stream
+        device_id = buffers[0].__dlpack_device__()[1] if buffers else 0
+        with gpu.device_scope(xp, device_id, stream):
+            reduced = device_fn([xp.from_dlpack(b) for b in buffers])
+            for output, result in zip(outputs, reduced):
+                xp.from_dlpack(output)[...] = result.reshape(output.shape)
+
+    outputs = buffer_callback(callback, results, has_side_effect=True)(*values, *previous)
+    if trace is not None and outputs:
+        _last_device_call[:] = [trace, outputs[0]]
+    return list(outputs)

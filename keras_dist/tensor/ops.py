@@ -512,8 +512,23 @@ def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale:
                                      name or "allreduce", group, labels),
         "allreduce",
         grad=tf_ops.allreduce_grad(op, prescale, postscale, process_set),
+        device_fn=_device_allreduce(op, prescale, postscale, name, group),
     )
     return [compression.decompress(r, c) for r, c in zip(results, contexts)]
+
+
+def _device_allreduce(op: ReduceOp, prescale: float, postscale: float, name: str | None,
+                      group):
+    """The allreduce on device arrays (``conversions.run``'s ``device_fn``): GPU
+    tensors of the job's group reduced on the GPU data plane; None (the host
+    path) for Adasum and process sets, which the GPU path does not serve."""
+    if op is _vocab.Adasum or group is not context.get():
+        return None
+    from keras_dist.tensor import gpu
+
+    return lambda arrays: gpu.grouped_allreduce(arrays, op, prescale, postscale,
+                                                Compression.none, COUNTERS,
+                                                name or "allreduce", group)
 
 
 def _check_sparse(op: ReduceOp, prescale: float, postscale: float) -> None:

@@ -1,8 +1,11 @@
 """PyTorch tensors in the tensor layer: to numpy and back, without copies on the CPU.
 
 Imported only when a torch tensor reaches a collective. A CPU tensor's numpy
-view shares its memory (``Tensor.numpy``); a GPU tensor goes through host
-memory here (the NCCL path takes cupy arrays). bfloat16, which numpy lacks,
+view shares its memory (``Tensor.numpy``). CUDA tensors of the dtypes the
+device path carries go to cupy and back by DLPack, without a host copy, on
+torch's current stream (the ``device_*`` functions, used by
+``conversions.device_path``); others (bfloat16, or cupy missing) go through
+host memory. bfloat16, which numpy lacks,
 is viewed as ``ml_dtypes.bfloat16`` through its int16 bits, still without a
 copy. Results come back as tensors on the input's device; collectives on
 torch tensors are not recorded by autograd (their results are detached, as
@@ -11,10 +14,13 @@ gradients are when the optimizer reduces them).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
 from keras_dist._vocab import _bfloat16
+from keras_dist.tensor import gpu
 
 
 def numpy_dtype(tensor) -> np.dtype:
@@ -51,3 +57,38 @@ def cast(tensor, dtype):
     if _bfloat16 is not None and dtype == np.dtype(_bfloat16):
         return tensor.to(torch.bfloat16)
     return tensor.to(torch.from_numpy(np.empty(0, dtype)).dtype)
+
+
+# ---------------------------------------------------------------------------
+# The device path (``conversions.device_path``).
+
+
+def device_module(tensors):
+    """cupy when every tensor is a CUDA tensor the device path carries and cupy
+    imports; None otherwise (the host path)."""
+    if not all(t.device.type == "cuda" for t in tensors):
+        return None
+    if not gpu.carries(numpy_dtype(t) for t in tensors):
+        return None
+    return gpu.cupy_or_none()
+
+
+def device_scope(tensors, xp):
+    """cupy on the tensors' GPU and on torch's current stream there: the
+    DLPack hand-overs and the collective are ordered after the work that
+    produced the tensors, and before the work that reads the results, without
+    any synchronisation."""
+    if xp is np:
+        return contextlib.nullcontext()
+    device = tensors[0].device
+    return gpu.device_scope(xp, device.index, torch.cuda.current_stream(device).cuda_stream)
+
+
+def to_device_arrays(tensors, xp) -> list:
+    """The tensors as ``xp`` arrays sharing their memory (DLPack)."""
+    return [xp.from_dlpack(t.detach()) for t in tensors]
+
+
+def from_device_arrays(arrays, templates, xp) -> list:
+    """``xp`` arrays as torch tensors sharing their memory (DLPack), on their device."""
+    return [torch.from_dlpack(a) for a in arrays]

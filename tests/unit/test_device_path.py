@@ -1,0 +1,253 @@
+"""The device path (GPU tensors to cupy by DLPack, fused, reduced, back) on the CPU.
+
+There is no GPU here, so numpy stands in for cupy: CPU tensors of torch,
+TensorFlow and JAX go through the same DLPack hand-overs, the same fusion
+(``tensor.gpu``) and the same graph ops (a ``tf.py_function``, a JAX buffer
+callback) that GPU tensors take; only the choice of cupy (``device_module``)
+and cupy's streams are left to tests/gpu/. A stand-in transport plays the
+other ranks, and results are checked against numpy float64.
+"""
+
+import collections
+import types
+
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from keras_dist import _vocab
+from keras_dist._config import Config
+from keras_dist.tensor import conversions, gpu
+from keras_dist.tensor.compression import Compression
+
+torch = pytest.importorskip("torch", reason="needs torch (the test extra installs it)")
+jax = pytest.importorskip("jax", reason="needs jax (the test extra installs it)")
+tf = pytest.importorskip("tensorflow", reason="needs tensorflow (the test extra installs it)")
+jnp = jax.numpy
+
+from keras_dist.tensor import jax_glue, tf_glue, torch_glue  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _initialised():
+    kd.init()
+    yield
+    kd.shutdown()
+
+
+# ---------------------------------------------------------------------------
+# DLPack hand-overs, numpy standing in for cupy.
+
+
+def test_torch_dlpack_round_trip_shares_memory_both_ways():
+    tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    (array,) = torch_glue.to_device_arrays([tensor], np)
+    assert array.ctypes.data == tensor.data_ptr() and array.shape == (2, 3)
+    (back,) = torch_glue.from_device_arrays([array], [tensor], np)
+    assert back.data_ptr() == tensor.data_ptr() and torch.equal(back, tensor)
+    grad_tensor = torch.ones(3, requires_grad=True)  # detached on the way, not refused
+    (grad_array,) = torch_glue.to_device_arrays([grad_tensor], np)
+    assert grad_array.ctypes.data == grad_tensor.data_ptr()
+
+
+def test_tensorflow_dlpack_round_trip_keeps_values_and_shares_the_result():
+    tensor = tf.constant(np.arange(6, dtype=np.float32).reshape(2, 3) - 2.5)
+    (array,) = tf_glue.to_device_arrays([tensor], np)
+    np.testing.assert_array_equal(array, tensor.numpy())
+    assert not array.flags.writeable  # TensorFlow's memory: read, never written
+    result = np.arange(4, dtype=np.float32)
+    (back,) = tf_glue.from_device_arrays([result], [tensor], np)
+    result[0] = 100.0  # the tensor is the array's memory, not a copy
+    assert back.numpy()[0] == 100.0 and back.dtype == tf.float32
+
+
+def test_jax_dlpack_round_trip_keeps_values_and_shares_the_input():
+    array = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
+    (view,) = jax_glue.to_device_arrays([array], np)
+    assert view.ctypes.data == array.unsafe_buffer_pointer()
+    (back,) = jax_glue.from_device_arrays([view * 2], [array], np)
+    assert isinstance(back, jax.Array)
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(array) * 2)
+
+
+def test_only_gpu_values_of_carried_dtypes_choose_cupy():
+    assert gpu.carries([np.float32, np.float16, np.int64])
+    assert not gpu.carries([np.float32, _vocab._bfloat16])  # cupy has no bfloat16
+    assert not gpu.carries([np.int8])  # NCCL has no int8 reduction here
+    # CPU tensors keep the host path.
+    assert torch_glue.device_module([torch.ones(2)]) is None
+    assert jax_glue.device_module([jnp.ones(2)]) is None
+    assert tf_glue.device_module([tf.ones(2)]) is None
+    assert conversions.device_path([torch.ones(2)]) is None
+    assert conversions.device_path([torch.ones(2), jnp.ones(2)]) is None  # mixed frameworks
+
+
+# ---------------------------------------------------------------------------
+# Fusion and reduction on device arrays, other ranks played by a transport.
+
+
+class _PeersTransport:
+    """The GPU transport of rank 0 of ``1 + len(peers)`` ranks: each call adds
+    the peers' next fused buffer. ``complete`` calls are counted."""
+
+    name = "fake-nccl"
+
+    def __init__(self, peer_buffers):
+        self.peer_buffers = list(peer_buffers)
+        self.calls, self.completed = [], []
+
+    def allreduce(self, buf, op, name=None):
+        assert op == _vocab.SUM and buf.ndim == 1
+        self.calls.append((buf.dtype, buf.size, name))
+        buf += self.peer_buffers.pop(0)
+
+    def complete(self, what):
+        self.completed.append(what)
+
+
+def _fake_group(transport, size, threshold):
+    return types.SimpleNamespace(size=size, gpu_transport=transport,
+                                 config=Config(fusion_threshold_bytes=threshold))
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax", "tensorflow"])
+def test_grouped_allreduce_on_device_matches_numpy_float64(framework):
+    rng = np.random.default_rng(12)
+    shapes = [(3, 4), (5,), (2, 2, 2)]
+    ranks = 3
+    mine = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    peers = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(ranks - 1)]
+    # threshold: the first two arrays (48 + 20 bytes) fuse, the third goes alone.
+    buckets = [[0, 1], [2]]
+    peer_buffers = []  # each peer's fused buffer, laid out as every rank lays it out
+    for bucket in buckets:
+        offsets, total = gpu._layout([mine[i] for i in bucket])
+        summed = np.zeros(total, np.float32)
+        for peer in peers:
+            for offset, i in zip(offsets, bucket):
+                summed[offset : offset + mine[i].size] += peer[i].ravel() * np.float32(0.5)
+        peer_buffers.append(summed)
+    transport = _PeersTransport(peer_buffers)
+    group = _fake_group(transport, ranks, threshold=70)
+    counters = collections.Counter()
+    make = {"torch": torch.from_numpy, "jax": jnp.asarray, "tensorflow": tf.constant}[framework]
+    values = [make(m.copy()) for m in mine]
+    glue = {"torch": torch_glue, "jax": jax_glue, "tensorflow": tf_glue}[framework]
+
+    results = conversions.run_on_device(
+        values, lambda arrays: gpu.grouped_allreduce(
+            arrays, kd.Average, 0.5, 2.0, Compression.none, counters, "grads", group),
+        glue, np)
+
+    expected = [(m.astype(np.float64) + sum(p[i].astype(np.float64) for p in peers))
+                * 0.5 * 2.0 / ranks for i, m in enumerate(mine)]
+    for result, want, value in zip(results, expected, values):
+        assert type(result) is type(value) or isinstance(result, type(value))
+        (view,) = glue.to_device_arrays([result], np)
+        assert view.ctypes.data % gpu.ALIGN_BYTES == 0  # frameworks need it aligned
+        np.testing.assert_allclose(np.asarray(result), want, rtol=1e-6)
+    # Fused by the threshold; the second member starts 256 bytes in (aligned).
+    assert [c[1] for c in transport.calls] == [64 + 5, 8]
+    assert transport.completed == ["grads average of 3 tensors"]  # one wait per call
+    assert counters["allreduce"] == 2
+    for value, original in zip(values, mine):  # inputs untouched
+        np.testing.assert_array_equal(np.asarray(value), original)
+
+
+# ---------------------------------------------------------------------------
+# The public collectives take the device path (size 1: scaling only).
+
+
+def _numpy_device(monkeypatch, glue):
+    calls = []
+
+    def device_module(values):
+        calls.append(len(values))
+        return np
+
+    monkeypatch.setattr(glue, "device_module", device_module)
+    return calls
+
+
+def test_torch_tensors_take_the_device_path_through_the_public_call(monkeypatch):
+    calls = _numpy_device(monkeypatch, torch_glue)
+    a, b = torch.arange(4, dtype=torch.float32), torch.ones(2, 2, dtype=torch.float64)
+    scaled, same = kd.grouped_allreduce([a, b], op=kd.Sum, prescale_factor=3.0)
+    assert calls == [2]
+    assert isinstance(scaled, torch.Tensor) and torch.equal(scaled, a * 3)
+    assert scaled.dtype == torch.float32 and same.dtype == torch.float64
+    plain = kd.grouped_allreduce([a], op=kd.Sum)[0]
+    assert plain is a  # size 1, nothing to do: the tensor itself, no conversion
+
+
+def test_adasum_and_process_sets_keep_the_host_path(monkeypatch):
+    calls = _numpy_device(monkeypatch, torch_glue)
+    kd.allreduce(torch.ones(4), op=kd.Sum, process_set=kd.global_process_set)
+    assert calls == [1]  # the global set is the job's group
+    assert conversions.device_path([torch.ones(2)]) is not None
+    from keras_dist.tensor import ops
+
+    assert ops._device_allreduce(kd.Adasum, 1.0, 1.0, None, kd._get()) is None
+
+
+def test_jax_inside_jit_takes_ordered_buffer_callbacks(monkeypatch):
+    monkeypatch.setattr(jax_glue, "traced_device_module", lambda values: np)
+
+    def step(x, y):
+        first = kd.grouped_allreduce([x * 2.0], op=kd.Sum, prescale_factor=0.5)[0]
+        second = kd.grouped_allreduce([y], op=kd.Sum, postscale_factor=4.0)[0]
+        return first, second
+
+    x, y = jnp.arange(4.0, dtype=jnp.float32), jnp.ones(3, jnp.float32)
+    jaxpr = jax.make_jaxpr(step)(x, y).jaxpr
+    callbacks = [e for e in jaxpr.eqns if e.primitive.name == "buffer_callback"]
+    assert len(callbacks) == 2 and not any("io_callback" in e.primitive.name
+                                           for e in jaxpr.eqns)
+    # The second takes the first's output: XLA runs them in the traced order.
+    assert callbacks[0].outvars[0] in callbacks[1].invars
+    first, second = jax.jit(step)(x, y)
+    np.testing.assert_array_equal(np.asarray(first), np.arange(4.0))
+    np.testing.assert_array_equal(np.asarray(second), np.full(3, 4.0))
+
+
+def test_jax_inside_jit_without_a_gpu_keeps_the_ordered_host_callback():
+    jaxpr = jax.make_jaxpr(lambda x: kd.grouped_allreduce([x], op=kd.Sum))(jnp.ones(2)).jaxpr
+    names = [e.primitive.name for e in jaxpr.eqns]
+    assert "io_callback" in names and "buffer_callback" not in names
+
+
+def _op_types(function, *args):
+    graph = function.get_concrete_function(*args).graph
+    return {op.type for op in graph.get_operations()}
+
+
+def test_tf_function_on_a_gpu_machine_builds_a_py_function_that_hands_over_by_dlpack(
+        monkeypatch):
+    monkeypatch.setattr(conversions, "_tf_device_path_available", lambda: True)
+    calls = _numpy_device(monkeypatch, tf_glue)
+    syncs = []
+    monkeypatch.setattr(tf.test.experimental, "sync_devices", lambda: syncs.append(1))
+
+    @tf.function
+    def step(x, y):
+        return kd.grouped_allreduce([x, y], op=kd.Sum, prescale_factor=2.0)
+
+    x, y = tf.constant([1.0, -2.0]), tf.constant([[3, 4]], dtype=tf.int64)
+    assert "EagerPyFunc" in _op_types(step, x, y)
+    doubled, ints = step(x, y)
+    np.testing.assert_array_equal(doubled.numpy(), [2.0, -4.0])
+    np.testing.assert_array_equal(ints.numpy(), [[6, 8]])
+    assert calls and calls[-1] == 2 and syncs  # both tensors, one sync for the call
+
+    variable = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:  # the op stays differentiable
+        (reduced,) = tf.function(lambda: kd.grouped_allreduce(
+            [variable * 3.0], op=kd.Sum, prescale_factor=2.0))()
+        loss = tf.reduce_sum(reduced)
+    np.testing.assert_array_equal(tape.gradient(loss, variable).numpy(), [6.0, 6.0])
+
+
+def test_tf_function_without_a_gpu_keeps_the_numpy_function():
+    step = tf.function(lambda x: kd.grouped_allreduce([x], op=kd.Sum, prescale_factor=2.0))
+    types_ = _op_types(step, tf.constant([1.0]))
+    assert "PyFunc" in types_ and "EagerPyFunc" not in types_
