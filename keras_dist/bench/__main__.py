@@ -1,4 +1,4 @@
-"""Entry point: ``python -m keras_dist.bench {allreduce,broadcast,allgather,train} ...``."""
+"""Entry point: ``python -m keras_dist.bench {allreduce,broadcast,allgather,train,latency} ...``."""
 
 import sys
 
@@ -9,6 +9,10 @@ def main(argv=None) -> int:
         from keras_dist.bench import train
 
         return train.main(argv[1:])
+    if argv[:1] == ["latency"]:
+        from keras_dist.bench import latency
+
+        return latency.main(argv[1:])
     from keras_dist.bench import collectives
 
     return collectives.main(argv)
