@@ -51,17 +51,44 @@ def pack(arrays: Sequence[np.ndarray], out: np.ndarray, scale: float = 1.0) -> N
         offset += array.size
 
 
-def unpack(flat: np.ndarray, like: Sequence[np.ndarray], scale: float = 1.0) -> list[np.ndarray]:
-    """Splits ``flat`` into fresh arrays shaped like ``like`` (times ``scale``)."""
+def unpack(flat: np.ndarray, like: Sequence[np.ndarray], scale: float = 1.0,
+           out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+    """Splits ``flat`` into arrays shaped like ``like`` (times ``scale``).
+
+    The results are ``out`` when given (arrays shaped like ``like``, written
+    in place), else fresh arrays.
+    """
     outputs = []
     offset = 0
-    for array in like:
+    for index, array in enumerate(like):
         piece = flat[offset : offset + array.size].reshape(array.shape)
-        out = np.empty(array.shape, array.dtype)
+        target = np.empty(array.shape, array.dtype) if out is None else out[index]
         if scale == 1.0:
-            np.copyto(out, piece, casting="unsafe")
+            np.copyto(target, piece, casting="unsafe")
         else:
-            np.multiply(piece, scale, out=out, casting="unsafe")
-        outputs.append(out)
+            np.multiply(piece, scale, out=target, casting="unsafe")
+        outputs.append(target)
         offset += array.size
     return outputs
+
+
+#: Where ``aligned_like`` starts each array: TensorFlow takes a numpy array
+#: returned by ``tf.numpy_function`` without copying it only when its data
+#: starts on a multiple of this (EIGEN_MAX_ALIGN_BYTES); otherwise it copies
+#: every output (measured: 2.7 MB of MLP gradients, ~0.3 ms a step).
+ALIGN_BYTES = 64
+
+
+def aligned_like(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Uninitialised arrays shaped like ``arrays``, views of one new buffer,
+    each starting on an ``ALIGN_BYTES`` boundary: one allocation for a whole
+    group of outputs, which TensorFlow adopts without copying."""
+    offsets = []
+    total = 0
+    for array in arrays:
+        offsets.append(total)
+        total += -(-array.nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    raw = np.empty(total + ALIGN_BYTES, np.uint8)
+    start = -raw.ctypes.data % ALIGN_BYTES
+    return [raw[start + offset : start + offset + array.nbytes].view(array.dtype)
+            .reshape(array.shape) for offset, array in zip(offsets, arrays)]

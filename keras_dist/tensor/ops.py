@@ -180,30 +180,73 @@ def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
     transport = group.transport
     code = _vocab.TRANSPORT_OPS[op]
     outputs: list[np.ndarray | None] = list(arrays)  # empty arrays pass through
+    buckets = fusion.plan_buckets(arrays, group.config.fusion_threshold_bytes)
+    # Every result is a view of one aligned buffer: one allocation, and no
+    # copy when TensorFlow takes them from tf.numpy_function.
+    results_of = dict(zip([i for bucket in buckets for i in bucket],
+                          fusion.aligned_like([arrays[i] for bucket in buckets for i in bucket])))
+    # The shm transport reduces a bucket from the arrays straight into the
+    # results, without a fused buffer, when nothing is scaled but an Average.
+    reduce_parts = prescale == 1.0 and postscale == 1.0 and callable(
+        getattr(transport, "allreduce_parts", None))
     with timeline.activity(name, "allreduce", sum(a.nbytes for a in arrays), transport,
                            labels):
-        for bucket in fusion.plan_buckets(arrays, group.config.fusion_threshold_bytes):
+        for bucket in buckets:
             members = [arrays[i] for i in bucket]
+            results = [results_of[i] for i in bucket]
+            for index, result in zip(bucket, results):
+                outputs[index] = result
             dtype = members[0].dtype
+            described = _describe(f"{name} {op.value}",
+                                  tuple((a.shape, a.dtype.str) for a in members), len(arrays))
+            if reduce_parts and _allreduce_parts(transport, members, results, op, described,
+                                                 group.size):
+                COUNTERS["allreduce"] += 1
+                continue
             count = sum(a.size for a in members)
             flat = transport.scratch(count * dtype.itemsize).view(dtype)
             fusion.pack(members, flat, _typed_factor(prescale, dtype))
-            moved = transport.allreduce(flat, code, name=_describe(
-                f"{name} {op.value}", tuple((a.shape, a.dtype.str) for a in members),
-                len(arrays)))
+            moved = transport.allreduce(flat, code, name=described)
             if moved is not None:  # ranks have joined: the result is elsewhere
                 flat = moved
             COUNTERS["allreduce"] += 1
             # ``flat`` may be shared memory that peers still read: only read it now.
-            scale = _vocab.finishing_scale(op, dtype, group.size, postscale)
-            results = fusion.unpack(flat, members,
-                                    1.0 if scale is None else _typed_factor(scale, dtype))
-            if scale is None:
-                for result in results:
-                    _finish(result, op, group.size, postscale)
-            for index, result in zip(bucket, results):
-                outputs[index] = result
+            _unpack_finished(flat, members, results, op, group.size, postscale)
     return outputs
+
+
+def _unpack_finished(flat: np.ndarray, members: list[np.ndarray], results: list[np.ndarray],
+                     op: ReduceOp, size: int, postscale: float) -> None:
+    """Writes the transport's reduction ``flat`` of ``members`` into ``results``
+    as ``op``'s result (times ``postscale``)."""
+    dtype = members[0].dtype
+    scale = _vocab.finishing_scale(op, dtype, size, postscale)
+    fusion.unpack(flat, members, 1.0 if scale is None else _typed_factor(scale, dtype),
+                  out=results)
+    if scale is None:
+        for result in results:
+            _finish(result, op, size, postscale)
+
+
+def _allreduce_parts(transport, members: list[np.ndarray], results: list[np.ndarray],
+                     op: ReduceOp, described: str, size: int) -> bool:
+    """The allreduce of one bucket by ``transport.allreduce_parts`` into ``results``.
+
+    Returns False, with nothing exchanged, when the bucket does not fit the
+    transport's buffer (the caller then fuses it as usual).
+    """
+    code = _vocab.TRANSPORT_OPS[op]
+    try:
+        return transport.allreduce_parts(members, results, code, op is Average, described)
+    except CollectiveMismatchError as error:  # ranks may have joined: as the general path
+        mismatched = getattr(transport, "allreduce_mismatched", None)
+        if mismatched is None:
+            raise
+        flat = np.empty(sum(a.size for a in members), members[0].dtype)
+        fusion.pack(members, flat)
+        _unpack_finished(mismatched(error, flat, code, described), members, results, op,
+                         size, 1.0)
+        return True
 
 
 def _broadcast_arrays(arrays: list[np.ndarray], root: int, name: str,

@@ -155,6 +155,31 @@ class ShmTransport(Transport):
         except _NATIVE_ERRORS as exc:
             raise _translate(exc) from None
 
+    def allreduce_parts(self, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray], op: int,
+                        average: bool = False, name: str | None = None) -> bool:
+        """Allreduce of ``srcs`` (arrays of one dtype) as one fused message into ``dsts``.
+
+        Without a fused buffer: the engine reads the sources in place and
+        writes the results straight into ``dsts`` (arrays shaped like
+        ``srcs``). ``average`` turns a Sum into an Average (as
+        ``_vocab.finishing_scale``). Returns False, with nothing exchanged,
+        when the message does not fit one shared buffer.
+        """
+        dtype = srcs[0].dtype
+        code = self._codes.get(dtype.num)
+        if code is None:
+            code = self._codes[dtype.num] = _vocab.dtype_code(dtype)
+        if code == _vocab.BFLOAT16:  # numpy cannot export bfloat16 buffers: as bytes
+            srcs = [a.reshape(-1).view(np.uint8) for a in srcs]
+            dsts = [a.reshape(-1).view(np.uint8) for a in dsts]
+        else:
+            srcs = [a.reshape(-1) for a in srcs]
+            dsts = [a.reshape(-1) for a in dsts]
+        try:
+            return self._open_engine().allreduce_parts(srcs, dsts, code, op, average, name)
+        except _NATIVE_ERRORS as exc:
+            raise _translate(exc) from None
+
     def broadcast(self, buf: np.ndarray, root: int, name: str | None = None) -> None:
         if not 0 <= root < self.size:
             raise ValueError(

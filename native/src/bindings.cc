@@ -218,6 +218,42 @@ void engine_allreduce(kd::ShmEngine& engine, nb::handle buf_obj, int dtype_code,
   engine.allreduce(buf.data(), buf.size(), dtype, op, text, send ? send->data() : nullptr);
 }
 
+bool engine_allreduce_parts(kd::ShmEngine& engine, nb::list srcs, nb::list dsts, int dtype_code,
+                            int op_code, bool average, nb::handle name) {
+  const kd::DType dtype = check_dtype(dtype_code);
+  const kd::Op op = check_op(op_code);
+  if (srcs.size() != dsts.size()) {
+    throw nb::value_error(("allreduce_parts: `srcs` and `dsts` must have as many arrays. "
+                           "Received: " + std::to_string(srcs.size()) + " and " +
+                           std::to_string(dsts.size()))
+                              .c_str());
+  }
+  const size_t esize = kd::dtype_size(dtype_code);
+  std::vector<std::unique_ptr<ByteBuffer>> held;
+  held.reserve(2 * srcs.size());
+  std::vector<kd::ShmEngine::Part> parts;
+  parts.reserve(srcs.size());
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    const std::string src_what = "srcs[" + std::to_string(i) + "]";
+    const std::string dst_what = "dsts[" + std::to_string(i) + "]";
+    held.emplace_back(new ByteBuffer(srcs[i], false, src_what.c_str(), esize));
+    const ByteBuffer& src = *held.back();
+    held.emplace_back(new ByteBuffer(dsts[i], true, dst_what.c_str(), esize));
+    const ByteBuffer& dst = *held.back();
+    element_count(src.size(), dtype_code, src_what.c_str());
+    if (dst.size() != src.size()) {
+      throw nb::value_error(("allreduce_parts: `" + dst_what + "` must have as many bytes as `" +
+                             src_what + "`. Received: " + std::to_string(dst.size()) + " and " +
+                             std::to_string(src.size()))
+                                .c_str());
+    }
+    parts.push_back({src.data(), dst.data(), src.size()});
+  }
+  const std::string_view text = name_text(name);
+  nb::gil_scoped_release release;
+  return engine.allreduce_parts(parts, dtype, op, average, text);
+}
+
 void engine_broadcast(kd::ShmEngine& engine, nb::handle buf_obj, int root, nb::handle name) {
   ByteBuffer buf(buf_obj, true, "buf");
   const std::string_view text = name_text(name);
@@ -647,6 +683,13 @@ NB_MODULE(_native, m) {
       .def("allreduce", &engine_allreduce, nb::arg("buf"), nb::arg("dtype"), nb::arg("op"),
            nb::arg("name") = nb::none(), nb::arg("send") = nb::none(),
            "Reduces `buf` in place across local ranks, or `send` into `buf` when given.")
+      .def("allreduce_parts", &engine_allreduce_parts, nb::arg("srcs"), nb::arg("dsts"),
+           nb::arg("dtype"), nb::arg("op"), nb::arg("average") = false,
+           nb::arg("name") = nb::none(),
+           "Allreduce of a message made of the 1-D arrays `srcs` end to end into `dsts` "
+           "(same sizes; a destination may be its source), without a fused buffer; "
+           "`average` divides as an Average does. False, with nothing exchanged, when the "
+           "message is larger than buffer_bytes.")
       .def("allreduce_array", &engine_allreduce_array, nb::arg("x"), nb::arg("op"),
            nb::arg("name") = nb::none(),
            "kd.allreduce of a small C-contiguous numpy array in one call: a new array, or "

@@ -30,6 +30,12 @@
 //   parts straight into its own buffers, and a final step keeps every buffer
 //   alive until all peers have read it. Every rank picks the same path (it
 //   depends only on what the header check compares), and the header says it.
+// * allreduce_parts takes a message as separate source and destination
+//   arrays (a training step's gradients): the same two steps as one chunk of
+//   the chunked path, except that a rank copies only its peers' shares into
+//   its slot, reduces its own share from its sources, and copies the reduced
+//   shares straight into the destinations. Its header's path says "from
+//   parts", so it never meets another path's data.
 #include "shm_engine.h"
 #include "wait_timings.h"
 
@@ -82,7 +88,7 @@ constexpr size_t kPieceBytes = 256u << 10;
 constexpr size_t kAllgatherSingleCopyBytes = 16u << 10;
 
 // How a collective moves its data. Every rank must choose the same one.
-enum Path : uint32_t { kSmall = 0, kChunked, kInSlot, kSingleCopy };
+enum Path : uint32_t { kSmall = 0, kChunked, kInSlot, kSingleCopy, kParts };
 
 const char* path_name(uint32_t path) {
   switch (path) {
@@ -90,6 +96,7 @@ const char* path_name(uint32_t path) {
     case kChunked: return "chunked copies";
     case kInSlot: return "in shared memory";
     case kSingleCopy: return "single copy";
+    case kParts: return "from parts";
     default: return "unknown path";
   }
 }
@@ -912,6 +919,83 @@ void ShmEngine::reduce_chunked(uint8_t* buf, const uint8_t* send, size_t nbytes,
     }
     next_buf_ ^= 1;
   }
+}
+
+bool ShmEngine::allreduce_parts(const std::vector<Part>& parts, DType dtype, Op op, bool average,
+                                std::string_view name) {
+  ensure_usable();
+  const size_t esize = dtype_size(int(dtype));
+  size_t nbytes = 0;
+  for (const Part& part : parts) {
+    if (part.nbytes % esize != 0) {
+      throw std::invalid_argument("allreduce_parts: every part must hold whole " +
+                                  std::string(dtype_name(int(dtype))) + " elements. Received: " +
+                                  std::to_string(part.nbytes) + " bytes");
+    }
+    if (overlaps_slot(part.src, part.nbytes) || overlaps_slot(part.dst, part.nbytes)) {
+      throw std::invalid_argument(
+          "allreduce_parts: a part must not lie in this rank's shared-memory slot");
+    }
+    nbytes += part.nbytes;
+  }
+  if (nbytes > half_bytes_) return false;
+  begin_allreduce(nbytes, dtype, op, name);
+  if (n_ == 1) {
+    for (const Part& part : parts) {
+      if (part.src != part.dst && part.nbytes) std::memmove(part.dst, part.src, part.nbytes);
+    }
+    return true;
+  }
+  ctl(me_)->hdr[(coll_ - 1) & 1].path = kParts;
+  // Shares as reduce_chunked cuts one chunk, in bytes of the message.
+  const size_t count = nbytes / esize;
+  const size_t per = round_up((count + size_t(n_) - 1) / size_t(n_), kLine / esize);
+  auto share_lo = [&](int p) { return std::min(size_t(p) * per, count) * esize; };
+  auto share_hi = [&](int p) { return std::min(size_t(p + 1) * per, count) * esize; };
+  const size_t lo = share_lo(me_), hi = share_hi(me_);
+  uint8_t* mine = data(me_, next_buf_);
+  // Step 1: the peers' shares of this rank's message into its slot.
+  size_t at = 0;
+  for (const Part& part : parts) {
+    const auto* src = static_cast<const uint8_t*>(part.src);
+    const size_t end = at + part.nbytes;
+    if (std::min(end, lo) > at) std::memcpy(mine + at, src, std::min(end, lo) - at);
+    const size_t from = std::max(at, hi);
+    if (end > from) std::memcpy(mine + from, src + (from - at), end - from);
+    at = end;
+  }
+  publish();
+  wait_all();
+  check_headers();
+  // Step 2: this rank's share, from the peers' slots and its own sources, in
+  // rank order as every path reduces.
+  at = 0;
+  for (const Part& part : parts) {
+    const size_t end = at + part.nbytes;
+    const size_t a = std::max(at, lo), b = std::min(end, hi);
+    if (b > a) {
+      for (int p = 0; p < n_; ++p) srcs_[size_t(p)] = data(p, next_buf_) + a;
+      srcs_[size_t(me_)] = static_cast<const uint8_t*>(part.src) + (a - at);
+      reduce_many(mine + a, srcs_.data(), size_t(n_), (b - a) / esize, dtype, op);
+    }
+    at = end;
+  }
+  if (average && hi > lo) average_inplace(mine + lo, (hi - lo) / esize, dtype, n_);
+  publish();
+  wait_all();
+  // Step 3: every rank's reduced share into the destinations.
+  at = 0;
+  for (const Part& part : parts) {
+    auto* dst = static_cast<uint8_t*>(part.dst);
+    const size_t end = at + part.nbytes;
+    for (int p = 0; p < n_; ++p) {
+      const size_t a = std::max(at, share_lo(p)), b = std::min(end, share_hi(p));
+      if (b > a) std::memcpy(dst + (a - at), data(p, next_buf_) + a, b - a);
+    }
+    at = end;
+  }
+  next_buf_ ^= 1;
+  return true;
 }
 
 void ShmEngine::broadcast(void* buf, size_t nbytes, int root, std::string_view name) {

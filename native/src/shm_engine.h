@@ -101,6 +101,25 @@ class ShmEngine {
                   const std::vector<uint64_t>& counts_bytes, std::string_view name = {});
   void barrier();
 
+  // One contiguous run of an allreduce's message (allreduce_parts): `nbytes`
+  // read from `src`, and the same bytes of the result written to `dst`
+  // (which may be `src`).
+  struct Part {
+    const void* src;
+    void* dst;
+    size_t nbytes;
+  };
+  // Allreduce of a message made of `parts` end to end, read from the sources
+  // and written to the destinations without a fused buffer: the engine copies
+  // only the peers' shares of the sources into its slot, reduces its own
+  // share straight from them (and, with `average`, turns it into an average
+  // as average_inplace does, before peers copy it), and copies every rank's
+  // reduced share into the destinations. Returns false, with nothing
+  // exchanged, when the message is larger than one buffer (buffer_bytes()).
+  // Every rank must call this (its header says so) for the same message.
+  bool allreduce_parts(const std::vector<Part>& parts, DType dtype, Op op, bool average,
+                       std::string_view name = {});
+
   // This rank's next data buffer, valid until the next collective; allreduce
   // of a buffer starting there skips the copy in. nullptr if nbytes is larger
   // than one buffer.

@@ -27,6 +27,7 @@ from mpi4py import MPI
 from keras_dist import _vocab as _dtypes
 from keras_dist import errors
 from keras_dist._config import Config
+from keras_dist.tensor import ops
 from keras_dist.transports.hierarchical import HierarchicalTransport
 from keras_dist.transports.shm import ShmTransport
 
@@ -203,6 +204,85 @@ def mode_interleaved(args):
         assert buf[0] == SIZE * i + SIZE * (SIZE - 1) // 2 and buf[-1] == buf[0], f"small {i}"
     transport.close()
     assert not segments(args.job)
+
+
+def mode_parts(args):
+    """allreduce_parts: every dtype and op (and Average), random part sizes, against
+    numpy and bit for bit against allreduce of the fused buffer; mismatches; too large."""
+    transport = make_transport(args)
+    rng = np.random.default_rng(77)  # the same part sizes on every rank
+    for di, dtype in enumerate(DTYPES):
+        for op in OPS:
+            for average in (False, True) if op == _dtypes.SUM else (False,):
+                for sizes in ([1], [7, 0, 64 * SIZE + 3], list(rng.integers(0, 3000, 6)),
+                              [20011, 1, 100003]):
+                    seed = di * 1000 + op * 100 + len(sizes) + 7 * average
+                    total = int(sum(sizes))
+                    inputs = [rank_data(dtype, total, r, op, seed) for r in range(SIZE)]
+                    bounds = np.cumsum([0, *sizes])
+                    srcs = [inputs[RANK][a:b].copy() for a, b in zip(bounds, bounds[1:])]
+                    before = [x.copy() for x in srcs]
+                    dsts = [np.full_like(x, 3) for x in srcs]
+                    assert transport.allreduce_parts(srcs, dsts, op, average)
+                    label = (f"allreduce_parts {np.dtype(dtype).name} "
+                             f"{_dtypes.OP_NAMES[op]} average={average} sizes {sizes}")
+                    assert all(np.array_equal(x, y) for x, y in zip(srcs, before)), label
+                    got = np.concatenate(dsts)
+                    fused = inputs[RANK].copy()
+                    transport.allreduce(fused, op)
+                    if average:  # as the tensor layer finishes an Average
+                        ops._finish(fused, _dtypes.ReduceOp.AVERAGE, SIZE, 1.0)
+                    else:
+                        check_against(got, inputs, dtype, op, not args.ranks_per_node, label)
+                    assert np.array_equal(got.view(np.uint8), fused.view(np.uint8)), label
+                    if average and np.dtype(dtype).kind == "f":
+                        want = np.stack([x.astype(np.float64) for x in inputs]).mean(0)
+                        scale = np.abs(np.stack([x.astype(np.float64) for x in inputs])).sum(0)
+                        tol = 2e-3 if np.dtype(dtype).itemsize == 2 else 1e-6
+                        assert np.all(np.abs(got.astype(np.float64) - want)
+                                      <= tol * scale), label
+    # In place: each destination its own source.
+    xs = [np.full(5, RANK + 1.0, np.float32), np.full(70_001, RANK + 2.0, np.float32)]
+    assert transport.allreduce_parts(xs, xs, _dtypes.SUM)
+    assert np.all(xs[0] == SIZE * (SIZE + 1) / 2) and np.all(xs[1] == SIZE * (SIZE + 3) / 2)
+    # Larger than one shared buffer: False on every rank, nothing exchanged.
+    big = np.ones(args.slot_bytes, np.float32)
+    assert transport.allreduce_parts([big], [big], _dtypes.SUM) is False
+    cases = [
+        (lambda: transport.allreduce_parts([np.ones(10 + RANK, np.float32)],
+                                           [np.empty(10 + RANK, np.float32)], _dtypes.SUM),
+         "count"),
+        (lambda: transport.allreduce_parts([np.ones(8, DTYPES[2 + RANK % 2])],
+                                           [np.empty(8, DTYPES[2 + RANK % 2])], _dtypes.SUM),
+         "dtype"),
+        (lambda: transport.allreduce_parts([np.ones(8, np.float32)], [np.empty(8, np.float32)],
+                                           _dtypes.SUM, name=f"g{RANK}"), "name"),
+        # One rank fuses into its own buffer, the others pass parts.
+        (lambda: transport.allreduce(np.ones(8, np.float32), _dtypes.SUM) if RANK == 0 else
+         transport.allreduce_parts([np.ones(8, np.float32)], [np.empty(8, np.float32)],
+                                   _dtypes.SUM), "take different paths"),
+    ]
+    for call, word in cases if SIZE > 1 else []:  # one rank cannot disagree
+        try:
+            call()
+        except errors.CollectiveMismatchError as exc:
+            message = str(exc)
+            assert word in message and "rank 0" in message and "rank 1" in message, message
+            if word == "take different paths":
+                assert "from parts" in message, message
+        else:
+            raise AssertionError(f"allreduce_parts: no mismatch error for differing {word}")
+        xs = [np.ones(3, np.float32), np.ones(4, np.float32)]
+        assert transport.allreduce_parts(xs, xs, _dtypes.SUM)
+        assert all(np.all(x == SIZE) for x in xs), "usable after a mismatch"
+    try:
+        transport.allreduce_parts([np.ones(4, np.float32)], [np.empty(3, np.float32)],
+                                  _dtypes.SUM)
+    except ValueError as exc:
+        assert "dsts[0]" in str(exc) and "Received" in str(exc), exc
+    else:
+        raise AssertionError("allreduce_parts took destinations of another size")
+    transport.close()
 
 
 def mode_mismatch(args):

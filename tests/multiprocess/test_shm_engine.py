@@ -88,6 +88,14 @@ def test_interleaved_and_many_small_collectives(nranks, extra):
     assert not leftovers, f"segments left in /dev/shm: {leftovers}\n{output}"
 
 
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4])
+def test_allreduce_parts_matches_numpy_and_the_fused_path(nranks):
+    done, output, leftovers = run_ranks(nranks, "parts", "--slot-bytes", str(4 << 20))
+    assert done.returncode == 0, output
+    assert done.stdout.count("OK parts") == nranks, output
+    assert not leftovers, f"segments left in /dev/shm: {leftovers}\n{output}"
+
+
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_mismatch_raises_on_every_rank(nranks):
     done, output, _ = run_ranks(nranks, "mismatch")

@@ -32,6 +32,34 @@ def test_pack_unpack_round_trip_with_scale():
         np.testing.assert_allclose(back, original * 0.5, rtol=1e-6)
 
 
+def test_aligned_like_gives_disjoint_aligned_views_of_one_buffer():
+    arrays = [np.ones((3, 5), np.float32), np.ones((), np.int64), np.ones(7, np.float16),
+              np.ones((2, 2), ml_dtypes.bfloat16), np.ones(0, np.float64), np.ones(1, np.bool_)]
+    out = fusion.aligned_like(arrays)
+    spans = []
+    for array, result in zip(arrays, out):
+        assert (result.shape, result.dtype) == (array.shape, array.dtype)
+        assert result.flags.c_contiguous and result.flags.writeable
+        if not result.size:  # numpy may give an empty view any address
+            continue
+        assert result.ctypes.data % fusion.ALIGN_BYTES == 0
+        assert result.base is not None and result.base is out[0].base
+        spans.append((result.ctypes.data, result.ctypes.data + result.nbytes))
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
+def test_unpack_into_given_outputs():
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in [(4, 3), (5,)]]
+    flat = np.concatenate([a.ravel() for a in arrays])
+    out = fusion.aligned_like(arrays)
+    restored = fusion.unpack(flat, arrays, scale=0.5, out=out)
+    assert all(r is o for r, o in zip(restored, out))
+    for original, back in zip(arrays, restored):
+        np.testing.assert_array_equal(back, original * np.float32(0.5))
+
+
 def test_config_reads_keras_dist_and_horovod_spellings(monkeypatch):
     monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1024")
     monkeypatch.setenv("HOROVOD_STALL_CHECK_TIME_SECONDS", "5")
