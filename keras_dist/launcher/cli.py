@@ -130,6 +130,10 @@ def launch_once(options: LaunchOptions, job_env: dict[str, str] | None = None,
         os.makedirs(options.output_dir, exist_ok=True)
     job_id = secrets.token_hex(8)
     job_env = {JOB_ID_ENV: job_id, **(job_env or {})}
+    # A rank that crashes in native code (a segfault or abort) prints its Python
+    # stack before it dies, so its output says where; the user's own setting wins.
+    if "PYTHONFAULTHANDLER" not in os.environ:
+        job_env["PYTHONFAULTHANDLER"] = "1"
     if options.timeline:
         job_env[TIMELINE_ENV] = os.path.abspath(options.timeline)
     env = dict(os.environ, **job_env)

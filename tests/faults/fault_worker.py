@@ -73,6 +73,17 @@ elif mode == "kill_allreduce":
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         kd.allreduce(data, op=kd.Sum)
+elif mode == "segfault":
+    if faulty:
+        time.sleep(0.5)
+
+        def crash_in_native_code():
+            import ctypes
+
+            ctypes.string_at(0)
+
+        crash_in_native_code()
+    kd.barrier()
 elif mode in ("exit0", "exit3"):
     if faulty:
         time.sleep(0.5)

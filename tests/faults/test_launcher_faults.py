@@ -124,6 +124,19 @@ def test_killed_rank_is_named(transport, mode):
     _assert_clean_end(result)
 
 
+def test_segfault_shows_the_python_stack_of_the_rank():
+    # kdrun turns Python's fault handler on in every rank (unless the user set
+    # PYTHONFAULTHANDLER), so a crash in native code says where it happened.
+    result = _fault("segfault")
+    message = result.describe()
+    assert result.returncode != 0, message
+    _assert_rank_1_failed_first(result, "killed by SIGSEGV", REPORTED_BY_RANK_0)
+    output = result.output(1)
+    assert "Fatal Python error: Segmentation fault" in output, message
+    assert "crash_in_native_code" in output, message
+    _assert_clean_end(result)
+
+
 def test_rank_exiting_early_with_status_0_fails_the_job():
     # hydra itself reports success here, after SIGKILLing rank 0.
     result = _fault("exit0")
