@@ -87,6 +87,13 @@ class NcclTransport(Transport):
         self.queue.complete(what)
 
     def _code(self, buf) -> int:
+        """NCCL's dtype code for ``buf``, checked to be on this communicator's GPU."""
+        if buf.device.id != self.device.id:
+            raise ValueError(
+                f"The NCCL communicator of this rank uses GPU {self.device.id} (its local rank "
+                f"modulo the GPUs visible); pin each rank to that GPU (torch.cuda.set_device("
+                f"kd.local_rank()), CUDA_VISIBLE_DEVICES, ...). Received: a tensor on GPU "
+                f"{buf.device.id}")
         code = _NCCL_DTYPES.get(_vocab.dtype_code(buf.dtype))
         if code is None:
             raise TypeError(f"NCCL cannot carry dtype {np.dtype(buf.dtype).name}")
