@@ -93,9 +93,9 @@ _LAZY = {
     "rank_op": ("keras_dist.tensor.tf_ops", "rank_op"),
     "local_size_op": ("keras_dist.tensor.tf_ops", "local_size_op"),
     "local_rank_op": ("keras_dist.tensor.tf_ops", "local_rank_op"),
-    "broadcast_global_variables": ("keras_dist.tensor.tf_ops", "broadcast_global_variables"),
+    "broadcast_global_variables": ("keras_dist.tensor.tf_functions", "broadcast_global_variables"),
     "process_set_included_op": ("keras_dist.tensor.tf_ops", "process_set_included_op"),
-    "broadcast_object_fn": ("keras_dist.tensor.tf_ops", "broadcast_object_fn"),
+    "broadcast_object_fn": ("keras_dist.tensor.tf_functions", "broadcast_object_fn"),
 }
 
 

@@ -43,6 +43,8 @@ from keras_dist.tensor.ops import (
     _check_dtypes,
     _check_op,
     _dtype_name,
+    allgather,
+    allreduce,
 )
 
 # One value's description in a shape exchange: ndim, dtype number, shape.
@@ -313,7 +315,7 @@ def _grouped_allgather_arrays(arrays: list[np.ndarray], name: str, group) -> lis
 def _grouped_allgather_grad(process_set):
     """The gradient of a grouped allgather: each value's as for ``allgather``,
     one after the other."""
-    single = tf_ops.allgather_grad(process_set)
+    single = tf_ops.allgather_grad(allgather, allreduce, process_set)
 
     def grad(inputs: list, outputs_: list, upstream: list) -> list:
         grads: list = []

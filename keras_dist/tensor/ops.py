@@ -554,7 +554,7 @@ def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale:
         lambda arrays: reduce_arrays(arrays, op, prescale, postscale,
                                      name or "allreduce", group, labels),
         "allreduce",
-        grad=tf_ops.allreduce_grad(op, prescale, postscale, process_set),
+        grad=tf_ops.allreduce_grad(grouped_allreduce, op, prescale, postscale, process_set),
         device_fn=_device_allreduce(op, prescale, postscale, name, group),
     )
     return [compression.decompress(r, c) for r, c in zip(results, contexts)]
@@ -625,7 +625,7 @@ def _allgather(x, name: str | None, process_set):
     _check_byte_dtypes([dtype_of(x)], "allgather")
     return run([x], lambda arrays: [_allgather_array(arrays[0], name or "allgather", group)],
                "allgather", shapes=lambda shapes: [[None, *shapes[0][1:]]],
-               grad=tf_ops.allgather_grad(process_set))[0]
+               grad=tf_ops.allgather_grad(allgather, allreduce, process_set))[0]
 
 
 @not_converted_by_autograph
@@ -648,7 +648,8 @@ def _broadcast(x, root_rank: int, name: str | None, process_set):
     root = _check_root(root_rank, group)
     _check_byte_dtypes([dtype_of(x)], "broadcast")
     return run([x], lambda arrays: _broadcast_arrays(arrays, root, name or "broadcast", group),
-               "broadcast", grad=tf_ops.broadcast_grad(root, group.rank, process_set))[0]
+               "broadcast",
+               grad=tf_ops.broadcast_grad(allreduce, root, group.rank, process_set))[0]
 
 
 def _check_variables(variables) -> list:

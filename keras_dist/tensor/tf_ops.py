@@ -1,9 +1,10 @@
 """The TensorFlow side of the tensor layer.
 
 Horovod's graph ops for the process group's shape (``size_op``, ``rank_op``,
-``local_size_op``, ``local_rank_op``), ``broadcast_global_variables`` for TF1
-graphs, and the gradients of the collectives (``conversions.run`` attaches
-them). TensorFlow is imported only when one of these runs.
+``local_size_op``, ``local_rank_op``) and the gradients of the collectives
+(``conversions.run`` attaches them; the collectives a gradient runs are given
+to its factory, so this module never imports ``ops``). TensorFlow is imported
+only when one of these runs.
 """
 
 from __future__ import annotations
@@ -77,42 +78,6 @@ def process_set_included_op(process_set_id: int = 0, name: str | None = None):
     return tf.constant(np.int32(included), name=name or "keras_dist_process_set_included")
 
 
-def broadcast_object_fn(root_rank: int = 0, session=None, name: str | None = None,
-                        process_set=None):
-    """A function ``fn(obj)`` returning ``root_rank``'s picklable ``obj`` on every rank.
-
-    ``session`` and ``name`` are accepted for scripts written for TF1 and not used:
-    the object travels as bytes between processes, outside any graph.
-    """
-    del session, name
-    from keras_dist.tensor import ops
-
-    def broadcast(obj):
-        return ops.broadcast_object(obj, root_rank, process_set=process_set)
-
-    return broadcast
-
-
-def broadcast_global_variables(root_rank: int = 0):
-    """Broadcasts every TF1 global variable from ``root_rank``; returns the op doing it.
-
-    Raises:
-        RuntimeError: in eager execution (TF2), which has no global variables.
-    """
-    import tensorflow as tf
-
-    if tf.executing_eagerly():
-        raise RuntimeError(
-            "`broadcast_global_variables` works in TF1 graph mode only: eager TensorFlow "
-            "has no global variables. Use `keras_dist.broadcast_variables(variables, "
-            "root_rank)`, or the BroadcastGlobalVariablesCallback with Keras."
-        )
-    from keras_dist.tensor import ops
-
-    op = ops.broadcast_variables(tf.compat.v1.global_variables(), root_rank)
-    return tf.no_op() if op is None else op
-
-
 def indexed_slices(values, indices, dense_shape, divide_by: int | None):
     """The ``IndexedSlices`` of gathered ``values`` and ``indices``, values divided
     by ``divide_by`` when given (TF division: integers become floats)."""
@@ -132,15 +97,15 @@ def _floating(tensors: list) -> list[int]:
     return [i for i, t in enumerate(tensors) if t.dtype.is_floating or t.dtype.is_complex]
 
 
-def allreduce_grad(op: ReduceOp, prescale: float, postscale: float, process_set):
-    """The gradient of a (grouped) allreduce: the same allreduce of the gradients."""
+def allreduce_grad(grouped_allreduce, op: ReduceOp, prescale: float, postscale: float,
+                   process_set):
+    """The gradient of a (grouped) allreduce: the same allreduce of the gradients
+    (``grouped_allreduce``: the public collective)."""
 
     def grad(inputs: list, outputs: list, upstream: list) -> list:
-        from keras_dist.tensor import ops
-
         grads: list = [None] * len(inputs)
         floating = _floating(inputs)
-        reduced = ops.grouped_allreduce([upstream[i] for i in floating], op=op,
+        reduced = grouped_allreduce([upstream[i] for i in floating], op=op,
                                         prescale_factor=prescale, postscale_factor=postscale,
                                         process_set=process_set)
         for i, g in zip(floating, reduced):
@@ -150,39 +115,37 @@ def allreduce_grad(op: ReduceOp, prescale: float, postscale: float, process_set)
     return grad
 
 
-def allgather_grad(process_set):
-    """The gradient of an allgather: the average gradient's rows this rank gave."""
+def allgather_grad(allgather, allreduce, process_set):
+    """The gradient of an allgather: the average gradient's rows this rank gave
+    (``allgather``, ``allreduce``: the public collectives)."""
 
     def grad(inputs: list, outputs: list, upstream: list) -> list:
         import tensorflow as tf
-
-        from keras_dist.tensor import ops
 
         x = inputs[0]
         if not (x.dtype.is_floating or x.dtype.is_complex):
             return [None]
         group = context.group_for(process_set)
         rows = tf.shape(tf.reshape(x, [-1]) if x.shape.rank == 0 else x)[:1]
-        sizes = ops.allgather(rows, process_set=process_set)
+        sizes = allgather(rows, process_set=process_set)
         with tf.control_dependencies([sizes]):  # the same order on every rank
-            reduced = ops.allreduce(upstream[0], op=Average, process_set=process_set)
+            reduced = allreduce(upstream[0], op=Average, process_set=process_set)
         mine = tf.split(reduced, sizes, num=group.size, axis=0)[group.rank]
         return [tf.reshape(mine, tf.shape(x))]
 
     return grad
 
 
-def broadcast_grad(root: int, rank: int, process_set):
-    """The gradient of a broadcast: the average gradient on the root, zeros elsewhere."""
+def broadcast_grad(allreduce, root: int, rank: int, process_set):
+    """The gradient of a broadcast: the average gradient on the root, zeros elsewhere
+    (``allreduce``: the public collective)."""
 
     def grad(inputs: list, outputs: list, upstream: list) -> list:
         import tensorflow as tf
 
-        from keras_dist.tensor import ops
-
         if not (inputs[0].dtype.is_floating or inputs[0].dtype.is_complex):
             return [None]
-        reduced = ops.allreduce(upstream[0], op=Average, process_set=process_set)
+        reduced = allreduce(upstream[0], op=Average, process_set=process_set)
         if rank == root:
             return [reduced]
         with tf.control_dependencies([reduced]):  # every rank runs the allreduce
