@@ -638,6 +638,7 @@ NB_MODULE(_native, m) {
   // The one set of wait timings (wait_timings.h), for Python's waits.
   nb::dict timings;
   timings["spin_seconds"] = kd::kSpinSeconds;
+  timings["python_spin_seconds"] = kd::kPythonSpinSeconds;
   timings["yield_seconds"] = kd::kYieldSeconds;
   timings["futex_wait_seconds"] = kd::kFutexWaitSeconds;
   timings["poll_sleep_seconds"] = kd::kPollSleepSeconds;

@@ -549,8 +549,13 @@ void ShmEngine::wait_all() {
           seg->sleepers.fetch_sub(1, std::memory_order_seq_cst);
         }
       }
-      for (int p = 0; p < n_; ++p)
-        if (!arrived(p)) check_departed(p, current_collective());
+      // A peer publishes this step before it can finish the collective and
+      // leave: after seeing it left, read its step again, so that a peer that
+      // published, went on and left since the first read counts as arrived.
+      for (int p = 0; p < n_; ++p) {
+        if (!arrived(p) && ctl(p)->left.load(std::memory_order_acquire) != 0 && !arrived(p))
+          check_departed(p, current_collective());
+      }
       const int32_t aborted = seg->abort_rank.load(std::memory_order_acquire);
       if (aborted >= 0 && aborted != me_) raise_aborted(aborted, current_collective());
       const double t = now_seconds();

@@ -3,7 +3,8 @@
 // these values from keras_dist._native.WAIT_TIMINGS). Defined once, here.
 //
 // A wait goes through three phases, measured from when it starts:
-//   1. spin:  poll without giving up the core, until kSpinSeconds;
+//   1. spin:  poll without giving up the core, until kSpinSeconds (the
+//             engine) or kPythonSpinSeconds (Python's waits);
 //   2. yield: poll, giving the core to any other runnable thread between
 //             polls (sched_yield / time.sleep(0)), until kYieldSeconds;
 //   3. block: sleep between polls. The engine blocks in a futex on the step
@@ -24,11 +25,23 @@
 
 namespace kd {
 
-// Peers that enter a collective together arrive within microseconds: a 4-byte
-// allreduce on two ranks takes 15 us end to end (keras_dist.bench), so a
-// 50 us spin (about 1,700 polls in C++) covers ordinary skew without a system
-// call. It matches the engine's earlier 2,000-poll spin (60 us).
-inline constexpr double kSpinSeconds = 50e-6;
+// Peers that enter a collective together arrive within a few microseconds
+// when each has a core of its own: a 4-byte allreduce through the one-call
+// path takes 2-3 us end to end. When two ranks share one core (more runnable
+// processes than cores), the awaited peer cannot run until this rank gives
+// the core up, and every poll before the first yield is lost: with a 50 us
+// spin each small collective then took the whole spin, ~57 us (both ranks
+// pinned to one core with taskset: 57 us per 4-byte allreduce or broadcast
+// against MPICH's 8-12 us; the same 57 us mode showed up in unpinned runs on
+// the loaded 2-core machine). A 2 us spin (about 64 polls, one clock read)
+// covers ordinary skew and then yields: 8.5-9 us per collective on one core
+// (5 us spin: 10.5 us), with no loss measured on two free cores
+// (benchmarks/results/public_call_latency_np2_*.txt).
+inline constexpr double kSpinSeconds = 2e-6;
+// Python's waits yield with time.sleep(0), which costs 113 us (not the
+// engine's 0.77 us sched_yield): they spin longer before giving the core up,
+// 50 us (100 MPI_Tests), as long as a small MPI collective's usual skew.
+inline constexpr double kPythonSpinSeconds = 50e-6;
 // Ranks may outnumber cores (tests run 4 ranks on 2 cores): yielding lets an
 // awaited peer that shares this core run. Short, because phase 3 wakes on the
 // peer's publish anyway; 100 us matches the engine's earlier 50 yields after
