@@ -10,7 +10,7 @@ TensorFlow thread per rank) on the digits shipped with the example:
 - 2 ranks with ``KERAS_DIST_CPU_OPERATIONS=shm``,
 - 2 ranks with ``KERAS_DIST_CPU_OPERATIONS=mpi``,
 
-each under ``kdrun`` with ``KERAS_DIST_TIMELINE`` set. Rank 0 times every
+each under ``kdrun --timeline``. Rank 0 times every
 train step (from the last callback's ``on_train_batch_begin`` to the first
 callback's ``on_train_batch_end``, so no callback work is counted); the
 timeline gives the duration of every gradient allreduce on rank 0 (the
@@ -117,13 +117,14 @@ def worker(args):
 def run_one(args, np_, transport, scratch, index):
     result = os.path.join(scratch, f"result-{index}.json")
     trace = os.path.join(scratch, f"timeline-{index}.json")
-    env = dict(os.environ, KERAS_DIST_TIMELINE=trace, TF_CPP_MIN_LOG_LEVEL="2",
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("HOROVOD_TIMELINE", None)
     if transport:
         env["KERAS_DIST_CPU_OPERATIONS"] = transport
-    command = [sys.executable, "-m", "keras_dist.run", "-np", str(np_), sys.executable,
+    command = [sys.executable, "-m", "keras_dist.run", "-np", str(np_), "--timeline", trace,
+               sys.executable,
                os.path.abspath(__file__), "--worker", "--result", result,
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
@@ -136,9 +137,12 @@ def run_one(args, np_, transport, scratch, index):
     reduce_s, nbytes = [], set()
     if os.path.exists(trace):
         with open(trace) as handle:
-            events = [e for e in json.load(handle)
-                      if e.get("cat") == "allreduce" and e.get("name") == "allreduce"]
-        reduce_s = [e["dur"] / 1e6 for e in events][args.warmup:]
+            trace_json = json.load(handle)
+        # kdrun merges every rank's part into one Chrome trace: rank 0's collective spans.
+        events = [e for e in trace_json.get("traceEvents", [])
+                  if e.get("ph") == "X" and e.get("pid") == 0 and e.get("name") == "allreduce"]
+        # The gradient allreduces, one per step (an epoch's end may add one for metrics).
+        reduce_s = [e["dur"] / 1e6 for e in events][args.warmup : args.warmup + args.steps]
         nbytes = {e["args"]["bytes"] for e in events}
     if np_ > 1 and len(reduce_s) != args.steps:
         sys.exit(f"expected {args.steps} gradient allreduces after warm-up, found {len(reduce_s)}")
