@@ -216,16 +216,6 @@ class ShmTransport(Transport):
 
     # -- one-call collectives of small numpy arrays ------------------------
 
-    def _one_call(self, method: str, *args):
-        """The engine's one-call ``method``; None when the transport is closed."""
-        engine = self._engine
-        if engine is None:
-            return None
-        try:
-            return getattr(engine, method)(*args)
-        except _NATIVE_ERRORS as exc:
-            raise _translate(exc) from None
-
     def allreduce_array(self, x: np.ndarray, op: int, name: str | None) -> np.ndarray | None:
         """``kd.allreduce(x, op, name)`` of a small C-contiguous numpy array, in one native call.
 
@@ -239,7 +229,13 @@ class ShmTransport(Transport):
             its general path (another kind of array, dtype or size, or the
             transport is closed); then nothing has been exchanged.
         """
-        return self._one_call("allreduce_array", x, op, name)
+        engine = self._engine  # each of these three is the whole Python of a small call
+        if engine is None:
+            return None
+        try:
+            return engine.allreduce_array(x, op, name)
+        except _NATIVE_ERRORS as exc:
+            raise _translate(exc) from None
 
     def broadcast_array(self, x: np.ndarray, root: int, name: str | None) -> np.ndarray | None:
         """``kd.broadcast(x, root, name)`` of a small C-contiguous numpy array, in one native call.
@@ -247,7 +243,13 @@ class ShmTransport(Transport):
         Returns a new array holding ``root``'s values, or None as ``allreduce_array`` does
         (also for a ``root`` that is not a Python int in [0, size)).
         """
-        return self._one_call("broadcast_array", x, root, name)
+        engine = self._engine
+        if engine is None:
+            return None
+        try:
+            return engine.broadcast_array(x, root, name)
+        except _NATIVE_ERRORS as exc:
+            raise _translate(exc) from None
 
     def allgather_array(self, x: np.ndarray, name: str | None) -> np.ndarray | bytes | None:
         """``kd.allgather(x, name)`` of a small C-contiguous numpy array, in one native call.
@@ -259,7 +261,13 @@ class ShmTransport(Transport):
         rank's header (int64 ``[ndim, dtype.num, *shape]`` padded to 10, as
         bytes) for the caller to describe.
         """
-        return self._one_call("allgather_array", x, name)
+        engine = self._engine
+        if engine is None:
+            return None
+        try:
+            return engine.allgather_array(x, name)
+        except _NATIVE_ERRORS as exc:
+            raise _translate(exc) from None
 
     # -- header-only steps (for transports built on this one) ---------------
 
