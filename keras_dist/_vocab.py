@@ -113,15 +113,21 @@ def finishing_scale(op: ReduceOp, dtype, size: int, postscale: float = 1.0) -> f
     return postscale / size if op is ReduceOp.AVERAGE else postscale
 
 
+def typed_factor(factor: float, dtype):
+    """``factor`` as the scalar that scales ``dtype`` values the way Horovod does:
+    half precision in float32 arithmetic, float32 in float32, float64 and
+    integers in float64 (integers then truncated toward zero)."""
+    if is_float(dtype) and np.dtype(dtype).itemsize == 2:
+        return np.float32(factor)
+    return factor
+
+
 def scale_in_place(array, factor: float, xp=np) -> None:
-    """``array *= factor`` in ``array``'s dtype (``xp``: numpy or cupy), as Horovod
-    scales: half precision in float32 arithmetic, integers in float64 then
-    truncated toward zero."""
+    """``array *= factor`` in ``array``'s dtype (``xp``: numpy or cupy), as
+    ``typed_factor`` says."""
     if factor == 1.0:
         return
-    if is_float(array.dtype) and np.dtype(array.dtype).itemsize == 2:
-        factor = np.float32(factor)
-    xp.multiply(array, factor, out=array, casting="unsafe")
+    xp.multiply(array, typed_factor(factor, array.dtype), out=array, casting="unsafe")
 
 
 def finish_reduction(flat, op: ReduceOp, size: int, postscale: float = 1.0, xp=np) -> None:

@@ -102,33 +102,12 @@ def _check_allreduce_inputs(dtypes: Sequence[np.dtype]) -> None:
     _check_dtypes(dtypes, "allreduce")
 
 
-def _typed_factor(factor: float, dtype: np.dtype):
-    """``factor`` as the scalar that scales ``dtype`` values the way Horovod does.
-
-    Half precision is scaled in float32 arithmetic, float32 in float32,
-    float64 and integers in float64 (integers then truncated toward zero).
-    """
-    if _vocab.is_float(dtype) and np.dtype(dtype).itemsize == 2:
-        return np.float32(factor)
-    return factor
-
-
 def _scaled(array: np.ndarray, factor: float, out: np.ndarray | None = None) -> np.ndarray:
     """``array * factor`` in ``array``'s dtype (into ``out`` when given)."""
     if out is None:
         out = np.empty_like(array)
-    np.multiply(array, _typed_factor(factor, array.dtype), out=out, casting="unsafe")
+    np.multiply(array, _vocab.typed_factor(factor, array.dtype), out=out, casting="unsafe")
     return out
-
-
-def _finish(result: np.ndarray, op: ReduceOp, size: int, postscale: float) -> None:
-    """Turns a transport's reduction in ``result`` into ``op``'s result, in place."""
-    scale = _vocab.finishing_scale(op, result.dtype, size, postscale)
-    if scale is None:  # an integer Average: rounds down, then any postscale
-        np.floor_divide(result, size, out=result)
-        scale = postscale
-    if scale != 1.0:
-        _scaled(result, scale, out=result)
 
 
 def _allreduce_numpy(x: np.ndarray, op: ReduceOp, prescale: float, postscale: float,
@@ -154,7 +133,7 @@ def _allreduce_numpy(x: np.ndarray, op: ReduceOp, prescale: float, postscale: fl
             group.transport.allreduce(out.reshape(-1), _vocab.TRANSPORT_OPS[op], name=_describe(
                 f"{name} {op.value}", ((x.shape, x.dtype.str),), 1), send=send)
         COUNTERS["allreduce"] += 1
-    _finish(out, op, group.size, postscale)
+    _vocab.finish_reduction(out, op, group.size, postscale)
     return out
 
 
@@ -205,7 +184,7 @@ def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
                 continue
             count = sum(a.size for a in members)
             flat = transport.scratch(count * dtype.itemsize).view(dtype)
-            fusion.pack(members, flat, _typed_factor(prescale, dtype))
+            fusion.pack(members, flat, _vocab.typed_factor(prescale, dtype))
             moved = transport.allreduce(flat, code, name=described)
             if moved is not None:  # ranks have joined: the result is elsewhere
                 flat = moved
@@ -221,11 +200,11 @@ def _unpack_finished(flat: np.ndarray, members: list[np.ndarray], results: list[
     as ``op``'s result (times ``postscale``)."""
     dtype = members[0].dtype
     scale = _vocab.finishing_scale(op, dtype, size, postscale)
-    fusion.unpack(flat, members, 1.0 if scale is None else _typed_factor(scale, dtype),
+    fusion.unpack(flat, members, 1.0 if scale is None else _vocab.typed_factor(scale, dtype),
                   out=results)
     if scale is None:
         for result in results:
-            _finish(result, op, size, postscale)
+            _vocab.finish_reduction(result, op, size, postscale)
 
 
 def _allreduce_parts(transport, members: list[np.ndarray], results: list[np.ndarray],
@@ -389,7 +368,7 @@ def _allreduce_one_call(x: np.ndarray, op, name) -> np.ndarray | None:
         described = _describe(f"{name or 'allreduce'} {op.value}", ((x.shape, x.dtype.str),), 1)
         result = group.transport.allreduce_mismatched(
             error, x.reshape(-1), _vocab.TRANSPORT_OPS[op], described).reshape(x.shape)
-        _finish(result, op, group.size, 1.0)
+        _vocab.finish_reduction(result, op, group.size, 1.0)
     if result is not None:
         COUNTERS["allreduce"] += 1
     return result

@@ -27,7 +27,6 @@ from mpi4py import MPI
 from keras_dist import _vocab as _dtypes
 from keras_dist import errors
 from keras_dist._config import Config
-from keras_dist.tensor import ops
 from keras_dist.transports.hierarchical import HierarchicalTransport
 from keras_dist.transports.shm import ShmTransport
 
@@ -231,7 +230,7 @@ def mode_parts(args):
                     fused = inputs[RANK].copy()
                     transport.allreduce(fused, op)
                     if average:  # as the tensor layer finishes an Average
-                        ops._finish(fused, _dtypes.ReduceOp.AVERAGE, SIZE, 1.0)
+                        _dtypes.finish_reduction(fused, _dtypes.ReduceOp.AVERAGE, SIZE, 1.0)
                     else:
                         check_against(got, inputs, dtype, op, not args.ranks_per_node, label)
                     assert np.array_equal(got.view(np.uint8), fused.view(np.uint8)), label
