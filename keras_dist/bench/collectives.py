@@ -156,14 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parses the command line; exits with status 2 (argparse's) on a bad one."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exits through ``parser.error`` unless -b, -e and -f make a size sweep."""
     if args.minbytes > args.maxbytes:
         parser.error(f"-b must be <= -e. Received: -b {args.minbytes} -e {args.maxbytes}")
     if args.stepfactor < 2 and args.minbytes != args.maxbytes:
         parser.error(f"-f must be >= 2 when -b < -e. Received: -f {args.stepfactor}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses the command line; exits with status 2 (argparse's) on a bad one."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_sizes(parser, args)
     if args.op != "sum" and args.collective != "allreduce":
         parser.error(f"--op applies to allreduce only. Received: {args.collective} --op {args.op}")
     if args.inplace and (args.collective != "allreduce" or args.dtype == "bfloat16"):

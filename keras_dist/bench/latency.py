@@ -93,10 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.minbytes > args.maxbytes:
-        parser.error(f"-b must be <= -e. Received: -b {args.minbytes} -e {args.maxbytes}")
-    if args.stepfactor < 2 and args.minbytes != args.maxbytes:
-        parser.error(f"-f must be >= 2 when -b < -e. Received: -f {args.stepfactor}")
+    collectives.check_sizes(parser, args)
     return args
 
 
