@@ -521,16 +521,24 @@ class _Case:
         return self.wrong(self.mpi_call())
 
 
-def run(args: argparse.Namespace) -> int:
-    """Runs the benchmark on every rank of the job; rank 0 prints. Returns the exit status."""
-    if args.transport is not None:
-        os.environ["KERAS_DIST_CPU_OPERATIONS"] = args.transport
+def init_job(transport: str | None):
+    """Sets ``--transport`` (when given) and initialises keras_dist; returns
+    ``(keras_dist, comm)``, ``comm`` a duplicate of MPI's world for the mpi4py runs."""
+    if transport is not None:
+        os.environ["KERAS_DIST_CPU_OPERATIONS"] = transport
     from mpi4py import MPI
 
     import keras_dist as kd
 
     kd.init()
-    comm = MPI.COMM_WORLD.Dup()
+    return kd, MPI.COMM_WORLD.Dup()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the benchmark on every rank of the job; rank 0 prints. Returns the exit status."""
+    kd, comm = init_job(args.transport)
+    from mpi4py import MPI
+
     rank, nranks = comm.Get_rank(), comm.Get_size()
     if args.collective == "broadcast" and args.root >= nranks:
         raise ValueError(f"`--root` must be in [0, size). Received: root={args.root} "

@@ -37,7 +37,6 @@ reference (``collectives.count_wrong_*``); the exit status is 1 when any
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
@@ -142,14 +141,9 @@ def _engine_call(collective: str, transport, x: np.ndarray):
 
 def run(args: argparse.Namespace) -> int:
     """Runs on every rank of the job; rank 0 prints. Returns the exit status."""
-    if args.transport is not None:
-        os.environ["KERAS_DIST_CPU_OPERATIONS"] = args.transport
+    kd, comm = collectives.init_job(args.transport)
     from mpi4py import MPI
 
-    import keras_dist as kd
-
-    kd.init()
-    comm = MPI.COMM_WORLD.Dup()
     rank, nranks = comm.Get_rank(), comm.Get_size()
     transport = kd._get().transport
     shm = getattr(transport, "inner", transport)
