@@ -17,7 +17,6 @@ in-place arithmetic), so the CPU tests run it on numpy arrays.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 
 import numpy as np
@@ -101,7 +100,7 @@ def _array_module(value):
 
 
 def grouped_allreduce(values: list, op: _vocab.ReduceOp, prescale: float, postscale: float,
-                      compression, counters: collections.Counter, name: str = "allreduce",
+                      compression, counters: dict[str, int], name: str = "allreduce",
                       group=None) -> list:
     """``values`` (cupy arrays) reduced across ranks; cupy arrays on the same device out."""
     group = group or context.get()

@@ -8,7 +8,6 @@ by dtype into fused buckets (``fusion.py``).
 
 from __future__ import annotations
 
-import collections
 import functools
 import pickle
 from collections.abc import Sequence
@@ -31,10 +30,14 @@ from keras_dist.tensor.conversions import (
     unwrap,
 )
 from keras_dist.transports.joinable import JoinableTransport
+from keras_dist.transports.shm import NATIVE_ERRORS as _NATIVE_ERRORS
+from keras_dist.transports.shm import translate as _translate
 
 #: Transport calls made by this process, by collective ("allreduce", ...).
 #: One fused bucket is one call. Tests count collectives with it.
-COUNTERS: collections.Counter = collections.Counter()
+COUNTERS: dict[str, int] = dict.fromkeys(
+    ("allreduce", "allgather", "broadcast", "alltoall", "barrier", "broadcast_object",
+     "allgather_object"), 0)  # a plain dict: 0.1 us cheaper to count in than a Counter
 
 
 # ---------------------------------------------------------------------------
@@ -264,6 +267,15 @@ def _dtype_name(number: int) -> str:
 
 
 _GATHER_HEADER = 2 + _MAX_GATHER_NDIM
+#: An allgather's first step gathers a record from every rank, int64 words
+#: ``[used bytes, inline, ndim, dtype.num, *shape padded to 8]`` followed, when
+#: the rank's data has at most ``_GATHER_INLINE`` bytes (``inline`` 1), by the
+#: data itself; the data step runs only when some rank's data did not fit.
+#: Transports copy only each record's used bytes where they can
+#: (``allgather_records``). native/src/bindings.cc keeps the same layout.
+_GATHER_INLINE = 4096
+_GATHER_RECORD_WORDS = 2 + _GATHER_HEADER
+_GATHER_RECORD = 8 * _GATHER_RECORD_WORDS + _GATHER_INLINE
 
 
 def _gather_mismatch(headers: np.ndarray, dtype: np.dtype) -> CollectiveMismatchError:
@@ -291,14 +303,23 @@ def _allgather_array(array: np.ndarray, name: str, group=None) -> np.ndarray:
                          f"Received: shape={array.shape}")
     if group.size == 1:
         return array.copy()
-    # Shapes first: ranks may differ in the first dimension only.
-    header = np.zeros(_GATHER_HEADER, np.int64)
-    header[:2] = array.ndim, array.dtype.num
-    header[2 : 2 + array.ndim] = array.shape
-    headers = np.empty(header.size * group.size, np.int64)
-    group.transport.allgatherv(header, headers, [header.size] * group.size,
-                               name=f"{name} shapes")
-    headers = headers.reshape(group.size, -1)
+    # Shapes first (ranks may differ in the first dimension only), with the
+    # data of small arrays in the same records.
+    record = np.zeros(_GATHER_RECORD, np.uint8)
+    words = record[: 8 * _GATHER_RECORD_WORDS].view(np.int64)
+    inline = array.nbytes <= _GATHER_INLINE
+    words[0] = 8 * _GATHER_RECORD_WORDS + (array.nbytes if inline else 0)
+    words[1:4] = inline, array.ndim, array.dtype.num
+    words[4 : 4 + array.ndim] = array.shape
+    if inline:
+        record[8 * _GATHER_RECORD_WORDS : words[0]] = array.reshape(-1).view(np.uint8)
+    records = np.empty((group.size, _GATHER_RECORD), np.uint8)
+    # On the timeline: this step is the allgather itself for a rank whose data it carries.
+    step = name if inline else f"{name} shapes"
+    with timeline.activity(step, "allgather", records.nbytes, group.transport):
+        group.transport.allgather_records(record, records.reshape(-1), name=f"{name} shapes")
+    words = records.view(np.int64)
+    headers = words[:, 2:_GATHER_RECORD_WORDS]
     shapes = [tuple(int(d) for d in h[2 : 2 + h[0]]) for h in headers]
     if any((h[0], h[1]) != (headers[0][0], headers[0][1]) or shape[1:] != shapes[0][1:]
            for h, shape in zip(headers, shapes)):
@@ -306,9 +327,15 @@ def _allgather_array(array: np.ndarray, name: str, group=None) -> np.ndarray:
     row_bytes = int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize
     counts = [shape[0] * row_bytes for shape in shapes]
     out = outputs.POOL.empty((sum(shape[0] for shape in shapes), *array.shape[1:]), array.dtype)
-    with timeline.activity(name, "allgather", out.nbytes, group.transport):
-        group.transport.allgatherv(array.reshape(-1).view(np.uint8),
-                                   out.reshape(-1).view(np.uint8), counts, name=name)
+    flat = out.reshape(-1).view(np.uint8)
+    if words[:, 1].all():
+        start = 0
+        for rank, count in enumerate(counts):
+            flat[start : start + count] = records[rank, 8 * _GATHER_RECORD_WORDS :][:count]
+            start += count
+    else:
+        with timeline.activity(name, "allgather", out.nbytes, group.transport):
+            group.transport.allgatherv(array.reshape(-1).view(np.uint8), flat, counts, name=name)
     COUNTERS["allgather"] += 1
     return out
 
@@ -325,31 +352,42 @@ _NO_COMPRESSION = Compression.none
 _ONE_CALL_OPS = {None: 0, Average: 0, _vocab.Sum: 1, _vocab.Min: 2, _vocab.Max: 3,
                  _vocab.Product: 4}
 #: (group, its shm transport when that serves one-call collectives, else None),
-#: looked up once per group.
+#: looked up once per group. Each one-call function below is the whole Python
+#: of a small call: it reads this, the timeline's state and the transport's
+#: engine directly, and calls the engine.
 _one_call: tuple = (None, None)
 
 
-def _one_call_transport():
-    """The shm transport under the job's join layer when it serves one-call
-    collectives (a job on one machine, no timeline recording), else None."""
+def _one_call_for(group) -> tuple:
+    """``_one_call`` for ``group`` (the job's group, or None before ``init``):
+    the shm transport under the job's join layer when the job is on one
+    machine, else None."""
     global _one_call
-    group = context.get()
-    if _one_call[0] is not group:
-        inner = getattr(group.transport, "inner", None)
-        if not (isinstance(group.transport, JoinableTransport)
-                and callable(getattr(inner, "allreduce_array", None))
-                and inner.size == group.size):
-            inner = None
-        _one_call = (group, inner)
-    if timeline.enabled():  # the general path records the call
+    transport = group.transport if group is not None else None
+    inner = getattr(transport, "inner", None)
+    if not (isinstance(transport, JoinableTransport)
+            and callable(getattr(inner, "allreduce_array", None))
+            and inner.size == group.size):
+        inner = None
+    _one_call = (group, inner)
+    return _one_call
+
+
+def _one_call_engine():
+    """The shm engine that serves one-call collectives now (no timeline
+    recording: the general path records the call), else None."""
+    group, transport = _one_call
+    if group is not context._group:
+        group, transport = _one_call_for(context._group)
+    if transport is None or timeline._recorder is not None:
         return None
-    return _one_call[1]
+    return transport.engine  # None once closed
 
 
 def _allreduce_one_call(x: np.ndarray, op, name) -> np.ndarray | None:
     """``allreduce(x, op, name)`` of the job in one native call, or None."""
-    transport = _one_call_transport()
-    if transport is None:
+    engine = _one_call_engine()
+    if engine is None:
         return None
     if op is _vocab.Sum:  # the common ops without hashing an Enum (0.1 us)
         index = 1
@@ -361,14 +399,17 @@ def _allreduce_one_call(x: np.ndarray, op, name) -> np.ndarray | None:
         except (KeyError, TypeError):  # not an op: the general path says so
             return None
     try:
-        result = transport.allreduce_array(x, index, name)
-    except CollectiveMismatchError as error:  # ranks may have joined: as the general path
+        result = engine.allreduce_array(x, index, name)
+    except _NATIVE_ERRORS as native:
+        error = _translate(native)
+        if type(error) is not CollectiveMismatchError:
+            raise error from None
+        # Ranks may have joined: as the general path.
         op = op or Average
-        group = context.get()
         described = _describe(f"{name or 'allreduce'} {op.value}", ((x.shape, x.dtype.str),), 1)
-        result = group.transport.allreduce_mismatched(
+        result = context._group.transport.allreduce_mismatched(
             error, x.reshape(-1), _vocab.TRANSPORT_OPS[op], described).reshape(x.shape)
-        _vocab.finish_reduction(result, op, group.size, 1.0)
+        _vocab.finish_reduction(result, op, context._group.size, 1.0)
     if result is not None:
         COUNTERS["allreduce"] += 1
     return result
@@ -376,16 +417,18 @@ def _allreduce_one_call(x: np.ndarray, op, name) -> np.ndarray | None:
 
 def _broadcast_one_call(x: np.ndarray, root_rank, name) -> np.ndarray | None:
     """``broadcast(x, root_rank, name)`` of the job in one native call, or None."""
-    transport = _one_call_transport()
-    if transport is None:
+    engine = _one_call_engine()
+    if engine is None:
         return None
     try:
-        result = transport.broadcast_array(x, root_rank, name)
-    except CollectiveMismatchError as error:
-        context.get().transport.raise_mismatched(
-            error, "broadcast", x.reshape(-1).view(np.uint8),
-            _describe(name or "broadcast", ((x.shape, x.dtype.str),), 1), root_rank)
-        raise  # raise_mismatched raises; never reached
+        result = engine.broadcast_array(x, root_rank, name)
+    except _NATIVE_ERRORS as native:
+        error = _translate(native)
+        if type(error) is CollectiveMismatchError:
+            context._group.transport.raise_mismatched(
+                error, "broadcast", x.reshape(-1).view(np.uint8),
+                _describe(name or "broadcast", ((x.shape, x.dtype.str),), 1), root_rank)
+        raise error from None
     if result is not None:
         COUNTERS["broadcast"] += 1
     return result
@@ -393,16 +436,18 @@ def _broadcast_one_call(x: np.ndarray, root_rank, name) -> np.ndarray | None:
 
 def _allgather_one_call(x: np.ndarray, name) -> np.ndarray | None:
     """``allgather(x, name)`` of the job in one native call, or None."""
-    transport = _one_call_transport()
-    if transport is None:
+    engine = _one_call_engine()
+    if engine is None:
         return None
-    label = name or "allgather"
     try:
-        result = transport.allgather_array(x, name)
-    except CollectiveMismatchError as error:  # at the shapes' step, the first
-        context.get().transport.raise_mismatched(
-            error, "allgather", np.zeros(_GATHER_HEADER, np.int64), f"{label} shapes")
-        raise  # raise_mismatched raises; never reached
+        result = engine.allgather_array(x, name)
+    except _NATIVE_ERRORS as native:
+        error = _translate(native)
+        if type(error) is CollectiveMismatchError:  # at the records' step, the first
+            context._group.transport.raise_mismatched(
+                error, "allgather", np.zeros(_GATHER_RECORD, np.uint8),
+                f"{name or 'allgather'} shapes")
+        raise error from None
     if type(result) is bytes:
         headers = np.frombuffer(result, np.int64).reshape(-1, _GATHER_HEADER)
         raise _gather_mismatch(headers, x.dtype)

@@ -48,6 +48,18 @@ class Transport(abc.ABC):
         ``sum(counts)`` elements of ``send``'s dtype.
         """
 
+    def allgather_records(self, send: np.ndarray, recv: np.ndarray,
+                          name: str | None = None) -> None:
+        """Gathers every rank's record into ``recv`` in rank order.
+
+        A record is a 1-D uint8 ``send`` of the same size on every rank whose
+        first int64 word is the number of its bytes that matter (that word
+        included); only those bytes of each place in ``recv`` are defined.
+        This default gathers whole records; a transport that can copy only
+        the used bytes does.
+        """
+        self.allgatherv(send, recv, [send.size] * (recv.size // send.size), name=name)
+
     @abc.abstractmethod
     def barrier(self) -> None:
         """Returns once every rank has entered the barrier."""

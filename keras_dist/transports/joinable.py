@@ -154,6 +154,11 @@ class JoinableTransport(Transport):
         self._guard("allgather", lambda: self.inner.allgatherv(send, recv, counts, name),
                     send.dtype, send.size, -1, -1, name)
 
+    def allgather_records(self, send: np.ndarray, recv: np.ndarray,
+                          name: str | None = None) -> None:
+        self._guard("allgather", lambda: self.inner.allgather_records(send, recv, name),
+                    send.dtype, send.size, -1, -1, name)
+
     def barrier(self) -> None:
         self._guard("barrier", self.inner.barrier, np.dtype(np.uint8), 0, -1, -1, None)
 

@@ -25,7 +25,7 @@ from keras_dist import _native, _vocab, errors
 from keras_dist._config import Config
 from keras_dist.transports.base import Transport
 
-_NATIVE_ERRORS = (
+NATIVE_ERRORS = (
     _native.CollectiveMismatchError,
     _native.PeerFailureError,
     _native.CollectiveTimeoutError,
@@ -40,7 +40,7 @@ _NATIVE_ERRORS = (
 _PEER_RE = re.compile(r": (?:cannot read the buffer of )?rank (\d+) ")
 
 
-def _translate(exc: Exception) -> errors.KerasDistError:
+def translate(exc: Exception) -> errors.KerasDistError:
     """The keras_dist error for a native engine error."""
     if isinstance(exc, _native.CollectiveMismatchError):
         return errors.CollectiveMismatchError(str(exc))
@@ -85,7 +85,9 @@ class ShmTransport(Transport):
         super().__init__()
         from mpi4py import MPI
 
-        self._engine = None
+        #: The native engine while the transport is open, else None (the tensor
+        #: layer's one-call paths call it directly).
+        self.engine = None
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         ranks = list(range(self.size)) if group_ranks is None else [int(r) for r in group_ranks]
         members = comm.allgather(
@@ -114,26 +116,26 @@ class ShmTransport(Transport):
         if creator:
             name = segment_name(config.job_id)
             try:
-                self._engine = _native.ShmEngine(name, True, **arguments)
+                self.engine = _native.ShmEngine(name, True, **arguments)
             except (_native.TransportError, ValueError) as exc:
                 problem = str(exc)
         name, problem = comm.bcast((name, problem), root=0)
         if problem is None and not creator:
             try:
-                self._engine = _native.ShmEngine(name, False, **arguments)
+                self.engine = _native.ShmEngine(name, False, **arguments)
             except (_native.TransportError, ValueError) as exc:
                 problem = str(exc)
         problems = [p for p in comm.allgather(problem) if p]
         if problems:
-            self._engine = None  # the creator's destructor unlinks the name
+            self.engine = None  # the creator's destructor unlinks the name
             raise errors.TransportError(f"shm transport unavailable: {problems[0]}")
         try:
-            self._engine.attach()
-        except _NATIVE_ERRORS as exc:
-            raise _translate(exc) from None
+            self.engine.attach()
+        except NATIVE_ERRORS as exc:
+            raise translate(exc) from None
         #: "on", or "off: <why>": whether large messages are read straight from
         #: peers' buffers (the same on every rank).
-        self.single_copy_status = self._engine.single_copy_status
+        self.single_copy_status = self.engine.single_copy_status
         #: dtype.num -> native dtype code, filled on first use of each dtype.
         self._codes: dict[int, int] = {}
 
@@ -152,8 +154,8 @@ class ShmTransport(Transport):
             send = None if send is None else send.view(np.uint8)
         try:
             engine.allreduce(buf, code, op, name, send)
-        except _NATIVE_ERRORS as exc:
-            raise _translate(exc) from None
+        except NATIVE_ERRORS as exc:
+            raise translate(exc) from None
 
     def allreduce_parts(self, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray], op: int,
                         average: bool = False, name: str | None = None) -> bool:
@@ -177,8 +179,8 @@ class ShmTransport(Transport):
             dsts = [a.reshape(-1) for a in dsts]
         try:
             return self._open_engine().allreduce_parts(srcs, dsts, code, op, average, name)
-        except _NATIVE_ERRORS as exc:
-            raise _translate(exc) from None
+        except NATIVE_ERRORS as exc:
+            raise translate(exc) from None
 
     def broadcast(self, buf: np.ndarray, root: int, name: str | None = None) -> None:
         if not 0 <= root < self.size:
@@ -188,8 +190,8 @@ class ShmTransport(Transport):
         engine = self._open_engine()
         try:
             engine.broadcast(buf.view(np.uint8), root, name)
-        except _NATIVE_ERRORS as exc:
-            raise _translate(exc) from None
+        except NATIVE_ERRORS as exc:
+            raise translate(exc) from None
 
     def allgatherv(
         self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], name: str | None = None
@@ -204,15 +206,23 @@ class ShmTransport(Transport):
         engine = self._open_engine()
         try:
             engine.allgatherv(send.view(np.uint8), recv.view(np.uint8), byte_counts, name)
-        except _NATIVE_ERRORS as exc:
-            raise _translate(exc) from None
+        except NATIVE_ERRORS as exc:
+            raise translate(exc) from None
+
+    def allgather_records(self, send: np.ndarray, recv: np.ndarray,
+                          name: str | None = None) -> None:
+        engine = self._open_engine()
+        try:
+            engine.allgatherv(send, recv, [send.size] * self.size, name, prefixed=True)
+        except NATIVE_ERRORS as exc:
+            raise translate(exc) from None
 
     def barrier(self) -> None:
         engine = self._open_engine()
         try:
             engine.barrier()
-        except _NATIVE_ERRORS as exc:
-            raise _translate(exc) from None
+        except NATIVE_ERRORS as exc:
+            raise translate(exc) from None
 
     # -- one-call collectives of small numpy arrays ------------------------
 
@@ -229,13 +239,13 @@ class ShmTransport(Transport):
             its general path (another kind of array, dtype or size, or the
             transport is closed); then nothing has been exchanged.
         """
-        engine = self._engine  # each of these three is the whole Python of a small call
+        engine = self.engine  # each of these three is the whole Python of a small call
         if engine is None:
             return None
         try:
             return engine.allreduce_array(x, op, name)
-        except _NATIVE_ERRORS as exc:
-            raise _translate(exc) from None
+        except NATIVE_ERRORS as exc:
+            raise translate(exc) from None
 
     def broadcast_array(self, x: np.ndarray, root: int, name: str | None) -> np.ndarray | None:
         """``kd.broadcast(x, root, name)`` of a small C-contiguous numpy array, in one native call.
@@ -243,13 +253,13 @@ class ShmTransport(Transport):
         Returns a new array holding ``root``'s values, or None as ``allreduce_array`` does
         (also for a ``root`` that is not a Python int in [0, size)).
         """
-        engine = self._engine
+        engine = self.engine
         if engine is None:
             return None
         try:
             return engine.broadcast_array(x, root, name)
-        except _NATIVE_ERRORS as exc:
-            raise _translate(exc) from None
+        except NATIVE_ERRORS as exc:
+            raise translate(exc) from None
 
     def allgather_array(self, x: np.ndarray, name: str | None) -> np.ndarray | bytes | None:
         """``kd.allgather(x, name)`` of a small C-contiguous numpy array, in one native call.
@@ -261,13 +271,13 @@ class ShmTransport(Transport):
         rank's header (int64 ``[ndim, dtype.num, *shape]`` padded to 10, as
         bytes) for the caller to describe.
         """
-        engine = self._engine
+        engine = self.engine
         if engine is None:
             return None
         try:
             return engine.allgather_array(x, name)
-        except _NATIVE_ERRORS as exc:
-            raise _translate(exc) from None
+        except NATIVE_ERRORS as exc:
+            raise translate(exc) from None
 
     # -- header-only steps (for transports built on this one) ---------------
 
@@ -296,8 +306,8 @@ class ShmTransport(Transport):
                     "`kind` must be 'allreduce', 'broadcast', 'allgather' or 'barrier'. "
                     f"Received: kind={kind!r}"
                 )
-        except _NATIVE_ERRORS as exc:
-            raise _translate(exc) from None
+        except NATIVE_ERRORS as exc:
+            raise translate(exc) from None
 
     def raise_mismatch(self, message: str) -> None:
         """Takes the place of this rank's next collective and fails it on every rank.
@@ -308,8 +318,8 @@ class ShmTransport(Transport):
         """
         try:
             self._open_engine().raise_mismatch(message)
-        except _NATIVE_ERRORS as exc:
-            raise _translate(exc) from None
+        except NATIVE_ERRORS as exc:
+            raise translate(exc) from None
 
     def scratch(self, nbytes: int) -> np.ndarray:
         """A view of this rank's next shared buffer when it fits.
@@ -317,25 +327,25 @@ class ShmTransport(Transport):
         The view is valid until the next collective; ``allreduce`` of it (from
         its start) skips the copy into shared memory.
         """
-        if self._engine is not None:
-            view = self._engine.scratch(nbytes)
+        if self.engine is not None:
+            view = self.engine.scratch(nbytes)
             if view is not None:
                 return view
         return super().scratch(nbytes)
 
     def wait_seconds(self) -> float | None:
-        engine = self._engine
+        engine = self.engine
         return None if engine is None else engine.wait_seconds
 
     def _open_engine(self):
-        engine = self._engine
+        engine = self.engine
         if engine is None:
             raise errors.TransportError("shm transport is closed")
         return engine
 
     def close(self) -> None:
         """Leaves the group (peers waiting for this rank raise) and releases the segment."""
-        engine, self._engine = self._engine, None
+        engine, self.engine = self.engine, None
         if engine is not None:
             engine.leave()
             engine.unlink()

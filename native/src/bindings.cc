@@ -10,10 +10,16 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
+
+// numpy's C API, for the one-call collectives; the module imports it at load.
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#define NPY_TARGET_VERSION NPY_1_23_API_VERSION
+#include <numpy/arrayobject.h>
 
 #include "reduce.h"
 #include "shm_engine.h"
@@ -262,7 +268,7 @@ void engine_broadcast(kd::ShmEngine& engine, nb::handle buf_obj, int root, nb::h
 }
 
 void engine_allgatherv(kd::ShmEngine& engine, nb::handle send_obj, nb::handle recv_obj,
-                       std::vector<uint64_t> counts_bytes, nb::handle name) {
+                       std::vector<uint64_t> counts_bytes, nb::handle name, bool prefixed) {
   ByteBuffer send(send_obj, false, "send");
   ByteBuffer recv(recv_obj, true, "recv");
   uint64_t total = 0;
@@ -275,7 +281,7 @@ void engine_allgatherv(kd::ShmEngine& engine, nb::handle send_obj, nb::handle re
   }
   const std::string_view text = name_text(name);
   nb::gil_scoped_release release;
-  engine.allgatherv(send.data(), send.size(), recv.data(), counts_bytes, text);
+  engine.allgatherv(send.data(), send.size(), recv.data(), counts_bytes, text, prefixed);
 }
 
 void engine_check_allreduce(kd::ShmEngine& engine, size_t nbytes, int dtype_code, int op_code,
@@ -311,10 +317,10 @@ nb::object engine_scratch(nb::handle self, size_t nbytes) {
 }
 
 // ---- One-call collectives on numpy arrays --------------------------------
-// kd.allreduce / kd.broadcast of a small C-contiguous numpy array spend most of
-// their time in Python (about 7 us a call, against 2 us in the engine). These
-// entries do the whole call under one Python call: read the array's dtype and
-// shape from its buffer, make the output (x.copy()), name the call exactly as
+// kd.allreduce / kd.broadcast / kd.allgather of a small C-contiguous numpy
+// array would spend most of their time in Python. These entries do the whole
+// call under one Python call: read the array's dtype and shape through numpy's
+// C API, make the output array, name the call exactly as
 // keras_dist/tensor/ops.py `_describe` does (so it meets the general path on
 // peers that take it, and the header check compares shapes), run the
 // collective with the GIL released and, for an average, finish it. Anything
@@ -326,53 +332,67 @@ nb::object engine_scratch(nb::handle self, size_t nbytes) {
 // the input in place.
 constexpr Py_ssize_t kArrayCallBytes = 64 << 10;
 
-// The numpy dtypes whose buffers these entries take: the buffer format, the
-// item size, numpy's name, and the engine's dtype code (-1: moved as bytes,
-// never reduced).
+// The numpy dtypes these entries take: numpy's type number, the item size,
+// numpy's name, and the engine's dtype code (-1: moved as bytes, never
+// reduced).
 struct NumpyType {
-  const char* format;
+  int number;
   Py_ssize_t itemsize;
   const char* name;
   int code;
 };
 constexpr NumpyType kNumpyTypes[] = {
-    {"f", 4, "float32", int(kd::DType::kFloat32)}, {"d", 8, "float64", int(kd::DType::kFloat64)},
-    {"e", 2, "float16", int(kd::DType::kFloat16)}, {"i", 4, "int32", int(kd::DType::kInt32)},
-    {"l", 8, "int64", int(kd::DType::kInt64)},     {"q", 8, "int64", int(kd::DType::kInt64)},
-    {"B", 1, "uint8", int(kd::DType::kUInt8)},     {"b", 1, "int8", int(kd::DType::kInt8)},
-    {"h", 2, "int16", int(kd::DType::kInt16)},     {"H", 2, "uint16", int(kd::DType::kUInt16)},
-    {"?", 1, "bool", -1},                          {"I", 4, "uint32", -1},
-    {"L", 8, "uint64", -1},                        {"Q", 8, "uint64", -1},
-    {"Zf", 8, "complex64", -1},                    {"Zd", 16, "complex128", -1},
+    {NPY_FLOAT, 4, "float32", int(kd::DType::kFloat32)},
+    {NPY_DOUBLE, 8, "float64", int(kd::DType::kFloat64)},
+    {NPY_HALF, 2, "float16", int(kd::DType::kFloat16)},
+    {NPY_INT, 4, "int32", int(kd::DType::kInt32)},
+    {NPY_LONG, 8, "int64", int(kd::DType::kInt64)},
+    {NPY_LONGLONG, 8, "int64", int(kd::DType::kInt64)},
+    {NPY_UBYTE, 1, "uint8", int(kd::DType::kUInt8)},
+    {NPY_BYTE, 1, "int8", int(kd::DType::kInt8)},
+    {NPY_SHORT, 2, "int16", int(kd::DType::kInt16)},
+    {NPY_USHORT, 2, "uint16", int(kd::DType::kUInt16)},
+    {NPY_BOOL, 1, "bool", -1},
+    {NPY_UINT, 4, "uint32", -1},
+    {NPY_ULONG, 8, "uint64", -1},
+    {NPY_ULONGLONG, 8, "uint64", -1},
+    {NPY_CFLOAT, 8, "complex64", -1},
+    {NPY_CDOUBLE, 16, "complex128", -1},
 };
 
-const NumpyType* numpy_type(const Py_buffer& view) {
-  const char* fmt = view.format ? view.format : "B";
-  for (const NumpyType& t : kNumpyTypes) {
-    if (t.itemsize == view.itemsize && std::strcmp(t.format, fmt) == 0) return &t;
+// A numpy array these entries serve: exactly a numpy.ndarray or a subclass,
+// C-contiguous, in native byte order, of a type above, at most
+// kArrayCallBytes. ok() is false for anything else.
+struct ArrayIn {
+  explicit ArrayIn(PyObject* x) {
+    if (!PyArray_Check(x)) return;
+    array = reinterpret_cast<PyArrayObject*>(x);
+    if (!PyArray_IS_C_CONTIGUOUS(array) || !PyArray_ISNOTSWAPPED(array) ||
+        PyArray_NBYTES(array) > kArrayCallBytes) {
+      return;
+    }
+    const int number = PyArray_TYPE(array);
+    for (const NumpyType& t : kNumpyTypes) {
+      if (t.number == number && t.itemsize == PyArray_ITEMSIZE(array)) type = &t;
+    }
   }
-  return nullptr;
+  bool ok() const { return type != nullptr; }
+  void* data() const { return PyArray_DATA(array); }
+  size_t nbytes() const { return size_t(PyArray_NBYTES(array)); }
+  int ndim() const { return PyArray_NDIM(array); }
+  const npy_intp* shape() const { return PyArray_DIMS(array); }
+
+  PyArrayObject* array = nullptr;
+  const NumpyType* type = nullptr;
+};
+
+// A new C-contiguous numpy.ndarray of `like`'s shape and dtype (contents
+// undefined).
+nb::object new_like(const ArrayIn& like) {
+  PyObject* out = PyArray_NewLikeArray(like.array, NPY_CORDER, nullptr, 0);
+  if (!out) throw nb::python_error();
+  return nb::steal(out);
 }
-
-// A buffer held for the duration of a call; ok() is false (and no Python
-// error is set) when the object cannot export one with `flags`.
-class HeldBuffer {
- public:
-  HeldBuffer(PyObject* obj, int flags) {
-    held_ = PyObject_GetBuffer(obj, &view, flags) == 0;
-    if (!held_) PyErr_Clear();
-  }
-  ~HeldBuffer() {
-    if (held_) PyBuffer_Release(&view);
-  }
-  HeldBuffer(const HeldBuffer&) = delete;
-  HeldBuffer& operator=(const HeldBuffer&) = delete;
-  bool ok() const { return held_; }
-  Py_buffer view{};
-
- private:
-  bool held_ = false;
-};
 
 // The public ops by the index keras_dist/tensor/ops.py passes: Average, Sum,
 // Min, Max, Product (their ReduceOp values name them).
@@ -397,13 +417,14 @@ class CallNames {
   // `label`: the caller's name (None or "": `fallback`); `op`: a public op
   // index or -1. Empty view when the call cannot be named here (a label that
   // is not a str, too many dimensions).
-  std::string_view get(PyObject* label, const char* fallback, int op, const NumpyType& type,
-                       const Py_buffer& view) {
-    if (view.ndim > kMaxDims) return {};
+  std::string_view get(PyObject* label, const char* fallback, int op, const ArrayIn& x) {
+    const NumpyType& type = *x.type;
+    const int ndim = x.ndim();
+    const npy_intp* shape = x.shape();
+    if (ndim > kMaxDims) return {};
     for (Entry& e : entries_) {
       if (e.label == label && e.fallback == fallback && e.op == op && e.type == &type &&
-          e.ndim == view.ndim &&
-          std::equal(view.shape, view.shape + view.ndim, e.shape)) {
+          e.ndim == ndim && std::equal(shape, shape + ndim, e.shape)) {
         return e.text;
       }
     }
@@ -420,9 +441,9 @@ class CallNames {
     if (prefix.empty()) prefix = fallback;
     if (op >= 0) prefix = prefix + " " + kPublicOps[op].value;
     std::string text = prefix + " [1 of 1 tensors: " + type.name + "[";
-    for (int d = 0; d < view.ndim; ++d) {
+    for (int d = 0; d < ndim; ++d) {
       if (d) text += ", ";
-      text += std::to_string(view.shape[d]);
+      text += std::to_string(shape[d]);
     }
     text += "]]";
     Entry& e = entries_[next_];
@@ -433,8 +454,8 @@ class CallNames {
     e.fallback = fallback;
     e.op = op;
     e.type = &type;
-    e.ndim = int(view.ndim);
-    std::copy(view.shape, view.shape + view.ndim, e.shape);
+    e.ndim = ndim;
+    std::copy(shape, shape + ndim, e.shape);
     e.text = std::move(text);
     return e.text;
   }
@@ -447,7 +468,7 @@ class CallNames {
     int op = -1;
     const NumpyType* type = nullptr;
     int ndim = -1;
-    Py_ssize_t shape[kMaxDims] = {};
+    npy_intp shape[kMaxDims] = {};
     std::string text;
   };
   Entry entries_[kEntries];
@@ -461,35 +482,23 @@ CallNames& call_names() {
   return *names;
 }
 
-// x.copy(): a new C-contiguous array like `x`.
-nb::object copy_of(PyObject* x) {
-  static PyObject* method = PyUnicode_InternFromString("copy");
-  PyObject* out = PyObject_CallMethodNoArgs(x, method);
-  if (!out) throw nb::python_error();
-  return nb::steal(out);
-}
-
 nb::object engine_allreduce_array(kd::ShmEngine& engine, nb::handle x, int op_index,
                                   nb::handle label) {
   if (op_index < 0 || op_index >= kNumPublicOps) return nb::none();
-  HeldBuffer in(x.ptr(), PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
-  if (!in.ok() || in.view.len > kArrayCallBytes) return nb::none();
-  const NumpyType* type = numpy_type(in.view);
-  if (!type || type->code < 0) return nb::none();
-  const std::string_view name =
-      call_names().get(label.ptr(), "allreduce", op_index, *type, in.view);
+  const ArrayIn in(x.ptr());
+  if (!in.ok() || in.type->code < 0) return nb::none();
+  const std::string_view name = call_names().get(label.ptr(), "allreduce", op_index, in);
   if (name.empty()) return nb::none();
-  nb::object out = copy_of(x.ptr());
-  HeldBuffer result(out.ptr(), PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE);
-  if (!result.ok()) return nb::none();
+  nb::object out = new_like(in);
+  void* result = PyArray_DATA(reinterpret_cast<PyArrayObject*>(out.ptr()));
   const PublicOp& op = kPublicOps[op_index];
-  const kd::DType dtype = kd::DType(type->code);
-  const size_t nbytes = size_t(in.view.len);
+  const kd::DType dtype = kd::DType(in.type->code);
+  const size_t nbytes = in.nbytes();
   {
     nb::gil_scoped_release release;
-    engine.allreduce(result.view.buf, nbytes, dtype, op.op, name, in.view.buf);
+    engine.allreduce(result, nbytes, dtype, op.op, name, in.data());
     if (op.average && engine.local_size() > 1) {
-      kd::average_inplace(result.view.buf, nbytes / size_t(type->itemsize), dtype,
+      kd::average_inplace(result, nbytes / size_t(in.type->itemsize), dtype,
                           engine.local_size());
     }
   }
@@ -504,116 +513,131 @@ nb::object engine_broadcast_array(kd::ShmEngine& engine, nb::handle x, nb::handl
     PyErr_Clear();
     return nb::none();
   }
-  HeldBuffer in(x.ptr(), PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
-  if (!in.ok() || in.view.len > kArrayCallBytes) return nb::none();
-  const NumpyType* type = numpy_type(in.view);
-  if (!type) return nb::none();
-  const std::string_view name = call_names().get(label.ptr(), "broadcast", -1, *type, in.view);
+  const ArrayIn in(x.ptr());
+  if (!in.ok()) return nb::none();
+  const std::string_view name = call_names().get(label.ptr(), "broadcast", -1, in);
   if (name.empty()) return nb::none();
-  nb::object out = copy_of(x.ptr());
-  HeldBuffer result(out.ptr(), PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE);
-  if (!result.ok()) return nb::none();
+  nb::object out = new_like(in);
+  void* result = PyArray_DATA(reinterpret_cast<PyArrayObject*>(out.ptr()));
   {
     nb::gil_scoped_release release;
-    engine.broadcast(result.view.buf, size_t(in.view.len), int(root_rank), name);
+    if (root_rank == engine.local_rank()) std::memcpy(result, in.data(), in.nbytes());
+    engine.broadcast(result, in.nbytes(), int(root_rank), name);
   }
   return out;
 }
 
-// kd.allgather's two steps, as keras_dist/tensor/ops.py `_allgather_array`
-// takes them (so peers may take either path): an allgather of every rank's
-// header (ndim, numpy type number, shape; ndim 0 counts as shape (1,)), named
-// "<name> shapes", then, when the ranks agree on the dtype and the shape past
-// the first dimension, the allgather of the data into a new array. Returns
-// the array, None (the general path serves the call), or, when the ranks
-// disagree, the headers as bytes (int64, one row of kGatherHeader per rank)
-// for the caller to describe the disagreement.
+// kd.allgather as keras_dist/tensor/ops.py `_allgather_array` takes it (so
+// peers may take either path): first every rank's record, named
+// "<name> shapes": int64 words [used bytes, inline, ndim, numpy type number,
+// shape padded to kGatherMaxDims] (ndim 0 counts as shape (1,)), followed by
+// the data when it has at most kGatherInline bytes (inline 1); then, when the
+// ranks agree on the dtype and the shape past the first dimension and some
+// rank's data did not fit, the allgather of the data. Returns a new array,
+// None (the general path serves the call), or, when the ranks disagree, the
+// headers from `ndim` on as bytes (int64, kGatherHeader per rank) for the
+// caller to describe the disagreement.
 constexpr int kGatherMaxDims = 8;
 constexpr int kGatherHeader = 2 + kGatherMaxDims;
-
-// numpy's type number of each buffer format (numpy/ndarraytypes.h NPY_TYPES).
-int numpy_type_number(const NumpyType& type) {
-  static const struct {
-    const char* format;
-    int number;
-  } numbers[] = {{"?", 0},  {"b", 1},  {"B", 2},  {"h", 3},  {"H", 4},   {"i", 5},
-                 {"I", 6},  {"l", 7},  {"L", 8},  {"q", 9},  {"Q", 10},  {"f", 11},
-                 {"d", 12}, {"Zf", 14}, {"Zd", 15}, {"e", 23}};
-  for (const auto& n : numbers) {
-    if (std::strcmp(n.format, type.format) == 0) return n.number;
-  }
-  return -1;
-}
+constexpr int kGatherWords = 2 + kGatherHeader;
+constexpr size_t kGatherInline = 4096;
+constexpr size_t kGatherRecord = kGatherWords * sizeof(int64_t) + kGatherInline;
 
 nb::object engine_allgather_array(kd::ShmEngine& engine, nb::handle x, nb::handle label) {
-  HeldBuffer in(x.ptr(), PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
-  if (!in.ok() || in.view.len > kArrayCallBytes || in.view.ndim > kGatherMaxDims) {
-    return nb::none();
-  }
-  const NumpyType* type = numpy_type(in.view);
-  if (!type) return nb::none();
-  std::string name = "allgather";
-  if (!label.is_none()) {
-    Py_ssize_t size = 0;
-    const char* text =
-        PyUnicode_Check(label.ptr()) ? PyUnicode_AsUTF8AndSize(label.ptr(), &size) : nullptr;
-    if (!text) {
-      PyErr_Clear();
-      return nb::none();
+  const ArrayIn in(x.ptr());
+  if (!in.ok() || in.ndim() > kGatherMaxDims) return nb::none();
+  // The call's two names, "<name> shapes" and "<name>", kept for the last
+  // label seen (held, so that its address names it).
+  static PyObject* last_label = nullptr;
+  static std::string shapes_name, name;
+  if (label.ptr() != last_label || name.empty()) {
+    std::string text = "allgather";
+    if (!label.is_none()) {
+      Py_ssize_t size = 0;
+      const char* chars =
+          PyUnicode_Check(label.ptr()) ? PyUnicode_AsUTF8AndSize(label.ptr(), &size) : nullptr;
+      if (!chars) {
+        PyErr_Clear();
+        return nb::none();
+      }
+      if (size > 0) text.assign(chars, size_t(size));
     }
-    if (size > 0) name.assign(text, size_t(size));
+    Py_INCREF(label.ptr());
+    Py_XDECREF(last_label);
+    last_label = label.ptr();
+    name = text;
+    shapes_name = text + " shapes";
   }
   const int n = engine.local_size();
-  int64_t mine[kGatherHeader] = {};
-  mine[0] = in.view.ndim == 0 ? 1 : in.view.ndim;
-  mine[1] = numpy_type_number(*type);
-  if (in.view.ndim == 0) mine[2] = 1;
-  for (int d = 0; d < in.view.ndim; ++d) mine[2 + d] = in.view.shape[d];
-  std::vector<int64_t> headers(size_t(n) * kGatherHeader);
-  const std::vector<uint64_t> header_counts(size_t(n), sizeof(mine));
+  const size_t data_bytes = in.nbytes();
+  const bool inline_data = data_bytes <= kGatherInline;
+  alignas(8) uint8_t record[kGatherRecord];
+  int64_t mine[kGatherWords] = {};
+  mine[0] = int64_t(kGatherWords * sizeof(int64_t) + (inline_data ? data_bytes : 0));
+  mine[1] = inline_data ? 1 : 0;
+  mine[2] = in.ndim() == 0 ? 1 : in.ndim();
+  mine[3] = in.type->number;
+  if (in.ndim() == 0) mine[4] = 1;
+  for (int d = 0; d < in.ndim(); ++d) mine[4 + d] = in.shape()[d];
+  std::memcpy(record, mine, sizeof(mine));
+  if (inline_data && data_bytes) std::memcpy(record + sizeof(mine), in.data(), data_bytes);
+  static thread_local std::vector<uint8_t> gathered;
+  static thread_local std::vector<uint64_t> record_counts;
+  gathered.resize(size_t(n) * kGatherRecord);
+  record_counts.assign(size_t(n), kGatherRecord);
+  uint8_t* const records = gathered.data();
   {
     nb::gil_scoped_release release;
-    engine.allgatherv(mine, sizeof(mine), headers.data(), header_counts, name + " shapes");
+    engine.allgatherv(record, kGatherRecord, records, record_counts, shapes_name, true);
   }
+  auto words = [&](int p) {  // rank p's record's words (an aligned copy)
+    std::array<int64_t, kGatherWords> w;
+    std::memcpy(w.data(), records + size_t(p) * kGatherRecord, sizeof(mine));
+    return w;
+  };
   int64_t rows = 0;
+  bool all_inline = true;
   for (int p = 0; p < n; ++p) {
-    const int64_t* h = headers.data() + size_t(p) * kGatherHeader;
-    if (h[0] != mine[0] || h[1] != mine[1] ||
-        !std::equal(h + 3, h + 2 + mine[0], mine + 3)) {
+    const auto h = words(p);
+    if (h[2] != mine[2] || h[3] != mine[3] || !std::equal(h.data() + 5, h.data() + 4 + mine[2],
+                                                          mine + 5)) {
+      std::vector<int64_t> headers(size_t(n) * kGatherHeader);
+      for (int q = 0; q < n; ++q) {
+        const auto hq = words(q);
+        std::copy(hq.data() + 2, hq.data() + kGatherWords, headers.data() + size_t(q) * kGatherHeader);
+      }
       return nb::bytes(headers.data(), headers.size() * sizeof(int64_t));
     }
-    rows += h[2];
+    rows += h[4];
+    all_inline = all_inline && h[1] != 0;
   }
   std::vector<uint64_t> counts(static_cast<size_t>(n));
   int64_t row_items = 1;
-  for (int d = 1; d < mine[0]; ++d) row_items *= mine[2 + d];
+  for (int d = 1; d < mine[2]; ++d) row_items *= mine[4 + d];
   for (int p = 0; p < n; ++p) {
-    counts[size_t(p)] = uint64_t(headers[size_t(p) * kGatherHeader + 2] * row_items *
-                                 int64_t(type->itemsize));
+    counts[size_t(p)] = uint64_t(words(p)[4] * row_items * int64_t(in.type->itemsize));
   }
-  // A new array of shape (rows, *x.shape[1:]) and x's dtype: numpy.empty.
-  static PyObject* empty = [] {
-    PyObject* numpy = PyImport_ImportModule("numpy");
-    PyObject* fn = numpy ? PyObject_GetAttrString(numpy, "empty") : nullptr;
-    Py_XDECREF(numpy);
-    return fn;  // kept for the process's life
-  }();
-  if (!empty) throw nb::python_error();
-  nb::object shape = nb::steal(PyTuple_New(mine[0]));
-  PyTuple_SET_ITEM(shape.ptr(), 0, PyLong_FromLongLong(rows));
-  for (int d = 1; d < mine[0]; ++d) {
-    PyTuple_SET_ITEM(shape.ptr(), d, PyLong_FromLongLong(mine[2 + d]));
-  }
-  nb::object dtype = nb::steal(PyObject_GetAttrString(x.ptr(), "dtype"));
-  if (!dtype.is_valid()) throw nb::python_error();
-  PyObject* args[2] = {shape.ptr(), dtype.ptr()};
-  nb::object out = nb::steal(PyObject_Vectorcall(empty, args, 2, nullptr));
+  // A new array of shape (rows, *x.shape[1:]) and x's dtype.
+  npy_intp dims[kGatherMaxDims];
+  dims[0] = npy_intp(rows);
+  for (int d = 1; d < mine[2]; ++d) dims[d] = npy_intp(mine[4 + d]);
+  PyArray_Descr* descr = PyArray_DESCR(in.array);
+  Py_INCREF(descr);  // stolen below
+  nb::object out =
+      nb::steal(PyArray_SimpleNewFromDescr(int(mine[2]), dims, descr));
   if (!out.is_valid()) throw nb::python_error();
-  HeldBuffer result(out.ptr(), PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE);
-  if (!result.ok()) throw nb::type_error("allgather: numpy.empty gave no writable buffer");
+  void* result = PyArray_DATA(reinterpret_cast<PyArrayObject*>(out.ptr()));
+  if (all_inline) {
+    uint8_t* at = static_cast<uint8_t*>(result);
+    for (int p = 0; p < n; ++p) {
+      std::memcpy(at, records + size_t(p) * kGatherRecord + sizeof(mine), counts[size_t(p)]);
+      at += counts[size_t(p)];
+    }
+    return out;
+  }
   {
     nb::gil_scoped_release release;
-    engine.allgatherv(in.view.buf, size_t(in.view.len), result.view.buf, counts, name);
+    engine.allgatherv(in.data(), data_bytes, result, counts, name);
   }
   return out;
 }
@@ -622,6 +646,7 @@ nb::object engine_allgather_array(kd::ShmEngine& engine, nb::handle x, nb::handl
 
 NB_MODULE(_native, m) {
   m.doc() = "keras_dist native kernels and the shared-memory engine.";
+  if (_import_array() < 0) throw nb::python_error();
 
   m.def("reduce_inplace", &py_reduce_inplace, nb::arg("dst"), nb::arg("src"), nb::arg("dtype"),
         nb::arg("op"),
@@ -708,7 +733,7 @@ NB_MODULE(_native, m) {
       .def("broadcast", &engine_broadcast, nb::arg("buf"), nb::arg("root"),
            nb::arg("name") = nb::none())
       .def("allgatherv", &engine_allgatherv, nb::arg("send"), nb::arg("recv"),
-           nb::arg("counts_bytes"), nb::arg("name") = nb::none())
+           nb::arg("counts_bytes"), nb::arg("name") = nb::none(), nb::arg("prefixed") = false)
       .def("barrier", &kd::ShmEngine::barrier, nb::call_guard<nb::gil_scoped_release>())
       .def("scratch", &engine_scratch, nb::arg("nbytes"),
            "A view of this rank's next shared buffer (None if nbytes is too large); "

@@ -1040,7 +1040,8 @@ void ShmEngine::broadcast(void* buf, size_t nbytes, int root, std::string_view n
 }
 
 void ShmEngine::allgatherv(const void* send, size_t send_bytes, void* recv,
-                           const std::vector<uint64_t>& counts_bytes, std::string_view name) {
+                           const std::vector<uint64_t>& counts_bytes, std::string_view name,
+                           bool prefixed) {
   if (counts_bytes.size() != size_t(n_)) {
     throw std::invalid_argument("allgatherv: `counts` must have local_size entries. Received: " +
                                 std::to_string(counts_bytes.size()) + " (local_size=" +
@@ -1058,10 +1059,27 @@ void ShmEngine::allgatherv(const void* send, size_t send_bytes, void* recv,
   if (overlaps_slot(recv, total)) {
     throw std::invalid_argument("allgatherv: `recv` must not be a scratch() buffer");
   }
+  const size_t chunk_bytes = std::min(half_bytes_, size_t(1) << 20);
+  // The bytes of a record at `p` that matter: its first word, kept within `limit`.
+  auto used = [](const uint8_t* p, size_t limit) {
+    uint64_t n = 0;
+    if (limit >= sizeof(n)) std::memcpy(&n, p, sizeof(n));
+    return size_t(std::min<uint64_t>(n, limit));
+  };
+  if (prefixed) {
+    for (uint64_t c : counts_bytes) {
+      if (c < sizeof(uint64_t) || c > chunk_bytes) {
+        throw std::invalid_argument(
+            "allgatherv: a prefixed record must have 8 to " + std::to_string(chunk_bytes) +
+            " bytes. Received: counts_bytes with " + std::to_string(c));
+      }
+    }
+  }
   begin_allgatherv(counts_bytes, name);
   uint8_t* out = static_cast<uint8_t*>(recv);
   if (n_ == 1) {
-    if (send_bytes) std::memmove(out, send, send_bytes);
+    const uint8_t* from = static_cast<const uint8_t*>(send);
+    if (send_bytes) std::memmove(out, send, prefixed ? used(from, send_bytes) : send_bytes);
     return;
   }
   // Peers read `send` while this rank writes `recv`: keep a private copy of a
@@ -1077,7 +1095,8 @@ void ShmEngine::allgatherv(const void* send, size_t send_bytes, void* recv,
     src = copy.get();
   }
   Header& h = ctl(me_)->hdr[(coll_ - 1) & 1];
-  h.path = single_copy_ && total >= kAllgatherSingleCopyBytes ? kSingleCopy : kChunked;
+  h.path = single_copy_ && !prefixed && total >= kAllgatherSingleCopyBytes ? kSingleCopy
+                                                                           : kChunked;
   if (h.path == kSingleCopy) {
     h.src = reinterpret_cast<uint64_t>(src);
     publish();
@@ -1093,8 +1112,19 @@ void ShmEngine::allgatherv(const void* send, size_t send_bytes, void* recv,
     wait_all();
     return;
   }
+  if (prefixed) {  // one chunk
+    if (send_bytes) std::memcpy(data(me_, next_buf_), src, used(src, send_bytes));
+    publish();
+    wait_all();
+    check_headers();
+    for (int p = 0; p < n_; ++p) {
+      const uint8_t* record = data(p, next_buf_);
+      std::memcpy(out + displ[size_t(p)], record, used(record, counts_bytes[size_t(p)]));
+    }
+    next_buf_ ^= 1;
+    return;
+  }
   const size_t largest = *std::max_element(counts_bytes.begin(), counts_bytes.end());
-  const size_t chunk_bytes = std::min(half_bytes_, size_t(1) << 20);
   size_t off = 0;
   bool first = true;
   do {

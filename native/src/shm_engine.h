@@ -97,8 +97,13 @@ class ShmEngine {
   void allreduce(void* buf, size_t nbytes, DType dtype, Op op, std::string_view name = {},
                  const void* send = nullptr);
   void broadcast(void* buf, size_t nbytes, int root, std::string_view name = {});
+  // `prefixed`: each rank's `send` is a record whose first uint64 is the
+  // number of its bytes that matter (that word included); only those are
+  // copied, in and out (the rest of each place in `recv` is left as it was).
+  // Records are at most one chunk of the slot; always the slots' path.
   void allgatherv(const void* send, size_t send_bytes, void* recv,
-                  const std::vector<uint64_t>& counts_bytes, std::string_view name = {});
+                  const std::vector<uint64_t>& counts_bytes, std::string_view name = {},
+                  bool prefixed = false);
   void barrier();
 
   // One contiguous run of an allreduce's message (allreduce_parts): `nbytes`

@@ -142,6 +142,22 @@ def mode_correctness(args):
         recv = np.empty(sum(counts), np.int64)
         transport.allgatherv(parts[RANK], recv, counts)
         assert np.array_equal(recv, np.concatenate(parts)), f"allgatherv {counts}"
+    # Records: only each rank's used bytes (its first word says how many) are
+    # copied; the rest of its place in `recv` is left as it was.
+    for capacity in (8, 4192):
+        records = np.full((SIZE, capacity), 0xAB, np.uint8)
+        used = [8 + (r * 997 + capacity // 3) % (capacity - 7) for r in range(SIZE)]
+        used = [min(u, capacity) for u in used]
+        mine = rank_data(np.uint8, capacity, RANK, _dtypes.SUM, capacity)
+        mine[:8] = np.frombuffer(np.uint64(used[RANK]).tobytes(), np.uint8)
+        transport.allgather_records(mine, records.reshape(-1))
+        for r in range(SIZE):
+            want = rank_data(np.uint8, capacity, r, _dtypes.SUM, capacity)[: used[r]]
+            want[:8] = np.frombuffer(np.uint64(used[r]).tobytes(), np.uint8)
+            label = f"allgather_records capacity {capacity}, rank {r}'s record"
+            assert np.array_equal(records[r, : used[r]], want), label
+            if isinstance(transport, ShmTransport):  # others may copy whole records
+                assert (records[r, used[r]:] == 0xAB).all(), label + ": bytes past its used ones"
     # Tens of millions of elements: values whose float32 sum is exact in any order.
     big = 12_000_000 + 5
     buf = ((np.arange(big, dtype=np.int64) % 1000) * 0.25 + RANK).astype(np.float32)

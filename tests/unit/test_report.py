@@ -199,5 +199,5 @@ def test_native_peer_failures_name_their_peer(message, peer):
     from keras_dist import _native
     from keras_dist.transports import shm
 
-    translated = shm._translate(_native.PeerFailureError(message))
+    translated = shm.translate(_native.PeerFailureError(message))
     assert isinstance(translated, PeerFailureError) and translated.peer_rank == peer

@@ -342,6 +342,14 @@ def test_one_call_broadcast_and_allgather():
     value = tf.constant(rows[RANK]) if RANK % 2 else rows[RANK]
     gathered = np.asarray(kd.allgather(value))
     assert np.array_equal(gathered, np.concatenate(rows)), "allgather of uneven rows"
+    # Rows either side of the 4 KiB that travel with the shapes: rank 0's data
+    # fits there and the others' does not, so every rank takes the data step;
+    # odd ranks take the general path.
+    rows = [contribution(9905, r, (1 + 300 * r) * 4, np.float32, kd.Sum).reshape(-1, 4)
+            for r in range(SIZE)]
+    for mine in (rows[RANK], strided(rows[RANK]) if RANK % 2 else rows[RANK]):
+        gathered = kd.allgather(mine)
+        assert np.array_equal(gathered, np.concatenate(rows)), "allgather across 4 KiB"
     for dtype in (np.float16, np.int64, np.bool_):
         values = [contribution(9910, r, 6, np.float64, kd.Sum).reshape(2, 3).astype(dtype)
                   for r in range(SIZE)]
