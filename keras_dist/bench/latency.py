@@ -11,7 +11,7 @@ the time per call of:
   ``kd.broadcast(x, root_rank=0)``, ``kd.allgather(x)``, each returning a new
   array, with every argument check and the ranks' mismatch check;
 - ``engine``: on the shm transport, the engine's one-call entry alone
-  (``ShmTransport.allreduce_array`` etc.: the same exchange, without the
+  (``ShmTransport.engine.allreduce_array`` etc.: the same exchange, without the
   public call's Python);
 - ``mpi4py``: ``comm.Allreduce(x, recv)``, ``comm.Bcast(buf)``,
   ``comm.Allgather(x, recv)`` on preallocated buffers of a duplicate of
@@ -130,13 +130,14 @@ def header_line() -> str:
 
 def _engine_call(collective: str, transport, x: np.ndarray):
     """The shm engine's one-call entry for ``collective`` of ``x``, or None."""
-    if not callable(getattr(transport, "allreduce_array", None)):
+    engine = getattr(transport, "engine", None)
+    if engine is None:
         return None
     if collective == "allreduce":
-        return lambda: transport.allreduce_array(x, 1, None)  # 1: Sum
+        return lambda: engine.allreduce_array(x, 1, None)  # 1: Sum
     if collective == "broadcast":
-        return lambda: transport.broadcast_array(x, 0, None)
-    return lambda: transport.allgather_array(x, None)
+        return lambda: engine.broadcast_array(x, 0, None)
+    return lambda: engine.allgather_array(x, None)
 
 
 def run(args: argparse.Namespace) -> int:

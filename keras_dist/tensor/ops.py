@@ -31,6 +31,7 @@ from keras_dist.tensor.conversions import (
 )
 from keras_dist.transports.joinable import JoinableTransport
 from keras_dist.transports.shm import NATIVE_ERRORS as _NATIVE_ERRORS
+from keras_dist.transports.shm import ShmTransport
 from keras_dist.transports.shm import translate as _translate
 
 #: Transport calls made by this process, by collective ("allreduce", ...).
@@ -348,7 +349,7 @@ def _allgather_array(array: np.ndarray, name: str, group=None) -> np.ndarray:
 # general path then runs and makes every check.
 
 _NO_COMPRESSION = Compression.none
-#: The one-call allreduce's index of each public op (``ShmTransport.allreduce_array``).
+#: The one-call allreduce's index of each public op (the engine's ``allreduce_array``).
 _ONE_CALL_OPS = {None: 0, Average: 0, _vocab.Sum: 1, _vocab.Min: 2, _vocab.Max: 3,
                  _vocab.Product: 4}
 #: (group, its shm transport when that serves one-call collectives, else None),
@@ -365,8 +366,7 @@ def _one_call_for(group) -> tuple:
     global _one_call
     transport = group.transport if group is not None else None
     inner = getattr(transport, "inner", None)
-    if not (isinstance(transport, JoinableTransport)
-            and callable(getattr(inner, "allreduce_array", None))
+    if not (isinstance(transport, JoinableTransport) and isinstance(inner, ShmTransport)
             and inner.size == group.size):
         inner = None
     _one_call = (group, inner)

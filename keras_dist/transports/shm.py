@@ -224,61 +224,6 @@ class ShmTransport(Transport):
         except NATIVE_ERRORS as exc:
             raise translate(exc) from None
 
-    # -- one-call collectives of small numpy arrays ------------------------
-
-    def allreduce_array(self, x: np.ndarray, op: int, name: str | None) -> np.ndarray | None:
-        """``kd.allreduce(x, op, name)`` of a small C-contiguous numpy array, in one native call.
-
-        Args:
-            x: the array (not modified).
-            op: the public op: 0 Average, 1 Sum, 2 Min, 3 Max, 4 Product.
-            name: the caller's label (None: "allreduce").
-
-        Returns:
-            A new array holding the result, or None where the caller must take
-            its general path (another kind of array, dtype or size, or the
-            transport is closed); then nothing has been exchanged.
-        """
-        engine = self.engine  # each of these three is the whole Python of a small call
-        if engine is None:
-            return None
-        try:
-            return engine.allreduce_array(x, op, name)
-        except NATIVE_ERRORS as exc:
-            raise translate(exc) from None
-
-    def broadcast_array(self, x: np.ndarray, root: int, name: str | None) -> np.ndarray | None:
-        """``kd.broadcast(x, root, name)`` of a small C-contiguous numpy array, in one native call.
-
-        Returns a new array holding ``root``'s values, or None as ``allreduce_array`` does
-        (also for a ``root`` that is not a Python int in [0, size)).
-        """
-        engine = self.engine
-        if engine is None:
-            return None
-        try:
-            return engine.broadcast_array(x, root, name)
-        except NATIVE_ERRORS as exc:
-            raise translate(exc) from None
-
-    def allgather_array(self, x: np.ndarray, name: str | None) -> np.ndarray | bytes | None:
-        """``kd.allgather(x, name)`` of a small C-contiguous numpy array, in one native call.
-
-        Takes the same two steps as the general path (every rank's shape
-        header, then the data). Returns a new array; None as
-        ``allreduce_array`` does (nothing exchanged); or, when the ranks
-        disagree on the dtype or the shape past the first dimension, every
-        rank's header (int64 ``[ndim, dtype.num, *shape]`` padded to 10, as
-        bytes) for the caller to describe.
-        """
-        engine = self.engine
-        if engine is None:
-            return None
-        try:
-            return engine.allgather_array(x, name)
-        except NATIVE_ERRORS as exc:
-            raise translate(exc) from None
-
     # -- header-only steps (for transports built on this one) ---------------
 
     def check(self, kind: str, *, nbytes: int = 0, dtype: np.dtype | None = None, op: int = 0,

@@ -546,28 +546,18 @@ constexpr size_t kGatherRecord = kGatherWords * sizeof(int64_t) + kGatherInline;
 nb::object engine_allgather_array(kd::ShmEngine& engine, nb::handle x, nb::handle label) {
   const ArrayIn in(x.ptr());
   if (!in.ok() || in.ndim() > kGatherMaxDims) return nb::none();
-  // The call's two names, "<name> shapes" and "<name>", kept for the last
-  // label seen (held, so that its address names it).
-  static PyObject* last_label = nullptr;
-  static std::string shapes_name, name;
-  if (label.ptr() != last_label || name.empty()) {
-    std::string text = "allgather";
-    if (!label.is_none()) {
-      Py_ssize_t size = 0;
-      const char* chars =
-          PyUnicode_Check(label.ptr()) ? PyUnicode_AsUTF8AndSize(label.ptr(), &size) : nullptr;
-      if (!chars) {
-        PyErr_Clear();
-        return nb::none();
-      }
-      if (size > 0) text.assign(chars, size_t(size));
+  std::string name = "allgather";
+  if (!label.is_none()) {
+    Py_ssize_t size = 0;
+    const char* chars =
+        PyUnicode_Check(label.ptr()) ? PyUnicode_AsUTF8AndSize(label.ptr(), &size) : nullptr;
+    if (!chars) {
+      PyErr_Clear();
+      return nb::none();
     }
-    Py_INCREF(label.ptr());
-    Py_XDECREF(last_label);
-    last_label = label.ptr();
-    name = text;
-    shapes_name = text + " shapes";
+    if (size > 0) name.assign(chars, size_t(size));
   }
+  const std::string shapes_name = name + " shapes";
   const int n = engine.local_size();
   const size_t data_bytes = in.nbytes();
   const bool inline_data = data_bytes <= kGatherInline;
