@@ -26,6 +26,7 @@ _FALLBACK_WAIT_TIMINGS = {
     "spin_seconds": 2e-6,  # the engine polls without giving up the core
     "python_spin_seconds": 50e-6,  # Python's waits do (their yield costs more)
     "yield_seconds": 100e-6,  # then poll with time.sleep(0), until this long
+    "own_core_yield_seconds": 20e-3,  # (the engine's, when each local rank has a CPU)
     "futex_wait_seconds": 5e-3,  # (the engine's longest futex sleep per round)
     "poll_sleep_seconds": 2e-4,  # then sleep this long between polls
     "liveness_seconds": 0.1,  # period of the liveness, stall and timeout checks

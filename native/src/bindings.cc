@@ -655,6 +655,7 @@ NB_MODULE(_native, m) {
   timings["spin_seconds"] = kd::kSpinSeconds;
   timings["python_spin_seconds"] = kd::kPythonSpinSeconds;
   timings["yield_seconds"] = kd::kYieldSeconds;
+  timings["own_core_yield_seconds"] = kd::kOwnCoreYieldSeconds;
   timings["futex_wait_seconds"] = kd::kFutexWaitSeconds;
   timings["poll_sleep_seconds"] = kd::kPollSleepSeconds;
   timings["liveness_seconds"] = kd::kLivenessSeconds;
@@ -738,5 +739,9 @@ NB_MODULE(_native, m) {
       .def_prop_ro("local_size", &kd::ShmEngine::local_size)
       .def_prop_ro("name", &kd::ShmEngine::name)
       .def_prop_ro("wait_seconds", &kd::ShmEngine::wait_seconds,
-                   "Seconds spent waiting for peers in collectives so far.");
+                   "Seconds spent waiting for peers in collectives so far.")
+      .def_prop_rw("yield_seconds", &kd::ShmEngine::yield_seconds,
+                   &kd::ShmEngine::set_yield_seconds,
+                   "How long a wait polls, yielding the core, before it sleeps: longer when "
+                   "every local rank has a CPU of its own. Settable (benchmarks), 0 to 1 s.");
 }

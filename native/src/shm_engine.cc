@@ -222,6 +222,23 @@ void futex_wait(std::atomic<uint64_t>& step, uint32_t expected, long timeout_ns)
 void futex_wake_all(std::atomic<uint64_t>& step) {
   syscall(SYS_futex, futex_word(step), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
+// CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU
+// quota (a container's "cpu.max": quota and period in us, or "max"); 1 if the
+// mask cannot be read.
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  int cpus = std::max(1, CPU_COUNT(&set));
+  if (FILE* f = std::fopen("/sys/fs/cgroup/cpu.max", "r")) {
+    long long quota = 0, period = 0;
+    if (std::fscanf(f, "%lld %lld", &quota, &period) == 2 && quota > 0 && period > 0) {
+      cpus = std::min<long long>(cpus, std::max<long long>(1, quota / period));
+    }
+    std::fclose(f);
+  }
+  return cpus;
+}
 }  // namespace
 
 ShmEngine::ShmEngine(const EngineOptions& options, EngineHooks hooks)
@@ -250,6 +267,7 @@ ShmEngine::ShmEngine(const EngineOptions& options, EngineHooks hooks)
                                 "'");
   }
   half_bytes_ = opt_.slot_bytes / 2 / kPage * kPage;
+  yield_seconds_ = n_ <= usable_cpus() ? kOwnCoreYieldSeconds : kYieldSeconds;
   data_offset_ = round_up(sizeof(SegmentLayout) + size_t(n_) * sizeof(RankCtl), kPage);
   map_bytes_ = data_offset_ + size_t(n_) * 2 * half_bytes_;
   srcs_.resize(size_t(n_));
@@ -501,6 +519,14 @@ std::string ShmEngine::describe_missing(const std::vector<int>& missing) const {
   return out;
 }
 
+void ShmEngine::set_yield_seconds(double seconds) {
+  if (!(seconds >= 0.0 && seconds <= 1.0)) {
+    throw std::invalid_argument("`yield_seconds` must be in [0, 1]. Received: " +
+                                std::to_string(seconds));
+  }
+  yield_seconds_ = seconds;
+}
+
 void ShmEngine::wait_all() {
   const uint64_t target = step_;
   auto arrived = [&](int p) { return ctl(p)->step.load(std::memory_order_acquire) >= target; };
@@ -525,7 +551,7 @@ void ShmEngine::wait_all() {
   }
   double next_check = start + kLivenessSeconds;
   double next_stall = opt_.stall_seconds > 0 ? start + opt_.stall_seconds : 1e300;
-  const double yield_until = start + kYieldSeconds;
+  const double yield_until = start + yield_seconds_;
   bool yielding = true;
   auto* seg = reinterpret_cast<SegmentLayout*>(base_);
   try {

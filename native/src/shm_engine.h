@@ -146,6 +146,13 @@ class ShmEngine {
   // it before and after a call to split the call into waiting and moving data.
   double wait_seconds() const { return wait_seconds_; }
 
+  // How long a wait polls, yielding, before it blocks (wait_timings.h):
+  // kOwnCoreYieldSeconds when every local rank has a CPU of its own, else
+  // kYieldSeconds.
+  double yield_seconds() const { return yield_seconds_; }
+  // Benchmarks compare the two policies in one job; a value in [0, 1] seconds.
+  void set_yield_seconds(double seconds);
+
  private:
   struct Header;
   struct Probe;
@@ -200,6 +207,7 @@ class ShmEngine {
   bool left_ = false;
   uint64_t step_ = 0;   // last step this rank published
   double wait_seconds_ = 0.0;  // see wait_seconds()
+  double yield_seconds_ = 0.0;  // see yield_seconds()
   uint64_t coll_ = 0;   // collectives begun so far
   int next_buf_ = 0;    // data buffer the next write uses
   std::vector<const void*> srcs_;

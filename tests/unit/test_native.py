@@ -213,6 +213,37 @@ def one_rank_engine():
     engine.unlink()
 
 
+@pytest.mark.parametrize("extra_ranks", [0, 1])
+def test_waits_poll_longer_when_every_local_rank_has_a_cpu(extra_ranks):
+    import os
+    import secrets
+
+    cpus = len(os.sched_getaffinity(0))
+    try:  # a container's cgroup v2 CPU quota caps it, as the engine reads it
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max" and int(quota) > 0 and int(period) > 0:
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    size = cpus + extra_ranks  # as many local ranks as CPUs, then one more
+    engine = _native.ShmEngine(f"/kd-test-{os.getpid()}-{secrets.token_hex(4)}", True, 0,
+                               size, 1 << 16, [os.getpid()] * size)
+    try:
+        timings = _native.WAIT_TIMINGS
+        expected = timings["yield_seconds"] if extra_ranks else timings["own_core_yield_seconds"]
+        assert engine.yield_seconds == expected
+        assert timings["own_core_yield_seconds"] > timings["yield_seconds"]
+        engine.yield_seconds = 0.5
+        assert engine.yield_seconds == 0.5
+        for bad in (-1e-6, 1.5, float("nan")):
+            with pytest.raises(ValueError, match=r"`yield_seconds` must be in \[0, 1\]"):
+                engine.yield_seconds = bad
+        assert engine.yield_seconds == 0.5
+    finally:
+        engine.unlink()
+
+
 ARRAY_CALL_DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32,
                      np.int64, np.longlong, np.uint8, np.uint16]
 
