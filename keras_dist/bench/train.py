@@ -5,7 +5,8 @@
 
 Every rank trains the same model on synthetic data (``train_on_batch``, SGD)
 in four kinds of timed blocks, alternating within each iteration so that drift
-hits all of them (each block starts after a barrier):
+hits all of them, the two of each pair swapping places every other iteration
+(each block starts after a barrier):
 
 - ``plain Keras, 1 process``: rank 0 alone, no keras_dist in the step;
 - ``keras_dist, size 1``: rank 0 alone, wrapped in ``DistributedOptimizer``
@@ -185,6 +186,36 @@ def breakdown_row(step_ms: float, baseline_ms: float, wait_ms: float, move_ms: f
             f"+ moving {move_ms:6.2f} + host call, copies, Python {rest:6.2f}")
 
 
+def block_order(kinds: Sequence[str], iteration: int) -> list[str]:
+    """The kinds' blocks in ``iteration``: in the given order, then with each pair
+    swapped (plain 1 process / keras_dist size 1; N processes / N ranks), so
+    that no kind always runs first after a barrier or after another kind."""
+    kinds = list(kinds)
+    if iteration % 2 == 0:
+        return kinds
+    swapped = []
+    for i in range(0, len(kinds) - 1, 2):
+        swapped += [kinds[i + 1], kinds[i]]
+    return swapped + kinds[len(swapped):]
+
+
+def jitter_wait(step_times: Sequence[Sequence[float]], draws: int = 100_000,
+                seed: int = 0) -> list[float]:
+    """The wait per step that the ranks' jitter alone implies, per rank.
+
+    ``step_times[r]`` are rank r's step times without communication (the
+    contention baseline). If every step waited for the slowest rank and the
+    ranks' step times were independent draws from those samples, a step
+    would take E[max over ranks] on every rank: rank r would wait that minus
+    its own mean. Estimated from ``draws`` random pairings.
+    """
+    rng = np.random.default_rng(seed)
+    samples = [np.asarray(t, np.float64) for t in step_times]
+    drawn = np.stack([t[rng.integers(0, len(t), draws)] for t in samples])
+    slowest = float(drawn.max(axis=0).mean())
+    return [slowest - float(t.mean()) for t in samples]
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if args.threads and os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
@@ -230,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
         f"{args.batch_size} per rank, {size} rank(s), threads per rank "
         f"{args.threads or 'default'}, backend {keras.backend.backend()}")
     say(f"Blocks of {args.num_batches_per_iter} steps, {args.num_iters} per kind, kinds "
-        "alternating; img/sec per rank: mean +- 1.96 sd over blocks (median)")
+        "alternating (each pair's order swapped every other iteration); img/sec per rank: "
+        "mean +- 1.96 sd over blocks (median)")
 
     own_timeline = args.breakdown and not timeline.enabled()
     tmpdir = tempfile.mkdtemp(prefix="kd-bench-") if own_timeline else None
@@ -238,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
         kd.start_timeline(os.path.join(tmpdir, "t.json"))
     samples: dict[str, list[float]] = {k: [] for k in kinds}
     seconds_kd, waits, moves = 0.0, 0.0, 0.0
+    baseline_steps: list[float] = []  # with --breakdown: each plain-Keras step at N at once
     try:
         for kind in kinds:
             model = models[kind]
@@ -245,16 +278,22 @@ def run(args: argparse.Namespace) -> int:
             if model is not None:
                 for _ in range(args.num_warmup_batches):
                     model.train_on_batch(x, y)
-        for _ in range(args.num_iters):
-            for kind in kinds:
+        for iteration in range(args.num_iters):
+            for kind in block_order(kinds, iteration):
                 model = models[kind]
                 kd.barrier()
                 if model is None:
                     continue
                 before = timeline.totals() if args.breakdown else None
+                timed = args.breakdown and kind == "independent"
                 start = _clock()
                 for _ in range(args.num_batches_per_iter):
-                    model.train_on_batch(x, y)
+                    if timed:
+                        begin = _clock()
+                        model.train_on_batch(x, y)
+                        baseline_steps.append(_clock() - begin)
+                    else:
+                        model.train_on_batch(x, y)
                 elapsed = _clock() - start
                 samples[kind].append(args.batch_size * args.num_batches_per_iter / elapsed)
                 if kind == "kd" and before is not None:
@@ -294,10 +333,15 @@ def run(args: argparse.Namespace) -> int:
         baseline_ms = 1e3 * args.batch_size / np.median(samples["independent"])
         row = (1e3 * seconds_kd / steps, baseline_ms, 1e3 * waits / steps, 1e3 * moves / steps)
         rows = kd.allgather_object(row)
+        implied = jitter_wait(kd.allgather_object(baseline_steps))
         say("Breakdown of a keras_dist step (means over the timed steps; baseline: this "
             "rank's plain-Keras step with the others training at once):")
         for r, values in enumerate(rows):
             say(f"  rank {r}: {breakdown_row(*values)}")
+        say("Waiting the machine's jitter alone implies (the plain-Keras steps of the "
+            f"{size} processes at once, drawn independently, each step as long as the "
+            "slowest: its mean minus the rank's): "
+            + ", ".join(f"rank {r} {1e3 * w:.2f} ms" for r, w in enumerate(implied)))
     if args.plot and rank == 0:
         from keras_dist.bench import plot
 

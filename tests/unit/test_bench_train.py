@@ -37,6 +37,28 @@ def test_ratios_and_breakdown():
     assert "baseline    8.00" in row and row.endswith("0.50")
 
 
+def test_block_order_swaps_each_pair_every_other_iteration():
+    kinds = ["single", "kd1", "independent", "kd"]
+    assert train.block_order(kinds, 0) == kinds
+    assert train.block_order(kinds, 1) == ["kd1", "single", "kd", "independent"]
+    assert train.block_order(kinds, 2) == kinds
+    assert train.block_order(["single", "kd1"], 3) == ["kd1", "single"]
+
+
+def test_jitter_wait_is_the_mean_slowest_minus_each_ranks_mean():
+    rng = np.random.default_rng(5)
+    steady = np.full(50, 2.0)
+    # Against a rank that always takes 2.0, a rank taking 1.0 or 3.0 with equal
+    # odds makes every step 2.5 on average: waits 0.5 and 0.5.
+    coin = rng.choice([1.0, 3.0], size=4000)
+    got = train.jitter_wait([steady, coin])
+    assert got[0] == pytest.approx(0.5, abs=0.02)
+    assert got[1] == pytest.approx(2.5 - coin.mean(), abs=0.02)
+    # No jitter, no wait; one rank alone never waits.
+    assert train.jitter_wait([steady, steady]) == [0.0, 0.0]
+    assert train.jitter_wait([coin]) == [pytest.approx(0.0, abs=0.02)]
+
+
 @pytest.mark.parametrize("name", train.MODELS)
 def test_models_build_with_their_input_shape(name):
     model = train.build_model(name)
