@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from keras_dist.tensor import outputs
+
 
 def plan_buckets(arrays: Sequence[np.ndarray], threshold_bytes: int) -> list[list[int]]:
     """Returns lists of indices into ``arrays``; each list is one bucket.
@@ -77,6 +79,11 @@ def unpack(flat: np.ndarray, like: Sequence[np.ndarray], scale: float = 1.0,
 #: starts on a multiple of this (EIGEN_MAX_ALIGN_BYTES); otherwise it copies
 #: every output (measured: 2.7 MB of MLP gradients, ~0.3 ms a step).
 ALIGN_BYTES = 64
+#: Grouped results from this size on come from ``outputs.POOL``: a training
+#: step's gradients have the same size every step, and a fresh buffer each step
+#: cost the pages' faults again whenever glibc had given the last one back.
+GROUP_POOL_MIN_BYTES = 256 << 10
+_BYTE = np.dtype(np.uint8)
 
 
 def aligned_like(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -88,7 +95,7 @@ def aligned_like(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     for array in arrays:
         offsets.append(total)
         total += -(-array.nbytes // ALIGN_BYTES) * ALIGN_BYTES
-    raw = np.empty(total + ALIGN_BYTES, np.uint8)
+    raw = outputs.POOL.empty((total + ALIGN_BYTES,), _BYTE, min_bytes=GROUP_POOL_MIN_BYTES)
     start = -raw.ctypes.data % ALIGN_BYTES
     return [raw[start + offset : start + offset + array.nbytes].view(array.dtype)
             .reshape(array.shape) for offset, array in zip(offsets, arrays)]

@@ -40,13 +40,16 @@ class OutputPool:
         # References to an unused block: the pool's list and getrefcount's argument.
         return sys.getrefcount(self._blocks[i]) <= 2
 
-    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype,
+              min_bytes: int | None = None) -> np.ndarray:
         """An uninitialised C-contiguous array, from a recycled block when one is free.
 
-        ``dtype`` must be a ``np.dtype`` (as ``array.dtype`` is).
+        ``dtype`` must be a ``np.dtype`` (as ``array.dtype`` is); ``min_bytes``
+        replaces the pool's smallest pooled size for this call.
         """
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < self.min_bytes or nbytes > self.max_bytes or not self.enabled:
+        smallest = self.min_bytes if min_bytes is None else min_bytes
+        if nbytes < smallest or nbytes > self.max_bytes or not self.enabled:
             return np.empty(shape, dtype)
         with self._lock:
             blocks = self._blocks

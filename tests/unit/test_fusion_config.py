@@ -49,6 +49,24 @@ def test_aligned_like_gives_disjoint_aligned_views_of_one_buffer():
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
+def test_aligned_like_recycles_a_large_group_once_nothing_refers_to_it():
+    arrays = [np.ones((300, 300), np.float32), np.ones(1000, np.float32)]  # ~364 KB
+    assert sum(a.nbytes for a in arrays) >= fusion.GROUP_POOL_MIN_BYTES
+    first = fusion.aligned_like(arrays)
+    first[0][:] = 3.0
+    held = first[1]  # one view alive keeps the whole buffer
+    del first
+    second = fusion.aligned_like(arrays)
+    assert not np.shares_memory(second[1], held)
+    address = held.ctypes.data
+    del held
+    third = fusion.aligned_like(arrays)
+    assert third[1].ctypes.data == address  # the same memory, faulted in once
+    assert not any(np.shares_memory(a, b) for a in second for b in third)
+    small = fusion.aligned_like([np.ones(10, np.float32)])
+    assert small[0].base.nbytes < fusion.GROUP_POOL_MIN_BYTES  # small groups: not pooled
+
+
 def test_unpack_into_given_outputs():
     rng = np.random.default_rng(1)
     arrays = [rng.standard_normal(s).astype(np.float32) for s in [(4, 3), (5,)]]

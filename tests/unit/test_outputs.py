@@ -37,3 +37,10 @@ def test_pool_bounds_its_memory_and_skips_small_or_huge_arrays():
     again[:] = 1.0
     pool.clear()
     assert not pool._blocks and again.sum() == 512  # handed-out memory stays valid
+
+
+def test_min_bytes_per_call_pools_smaller_arrays():
+    pool = OutputPool(min_bytes=1 << 16, max_bytes=1 << 20)
+    assert pool.empty((256,), F32).base is None
+    pooled = pool.empty((256,), F32, min_bytes=1024)
+    assert pooled.base is not None and pool._blocks[-1].nbytes == 1024
