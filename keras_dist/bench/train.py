@@ -330,12 +330,14 @@ def run(args: argparse.Namespace) -> int:
             "medians)")
     if args.breakdown and size > 1:
         steps = args.num_iters * args.num_batches_per_iter
-        baseline_ms = 1e3 * args.batch_size / np.median(samples["independent"])
+        # Means on both sides: a median baseline against a mean step would put
+        # the skew of the step times into the remainder.
+        baseline_ms = 1e3 * float(np.mean(baseline_steps))
         row = (1e3 * seconds_kd / steps, baseline_ms, 1e3 * waits / steps, 1e3 * moves / steps)
         rows = kd.allgather_object(row)
         implied = jitter_wait(kd.allgather_object(baseline_steps))
         say("Breakdown of a keras_dist step (means over the timed steps; baseline: this "
-            "rank's plain-Keras step with the others training at once):")
+            "rank's mean plain-Keras step with the others training at once):")
         for r, values in enumerate(rows):
             say(f"  rank {r}: {breakdown_row(*values)}")
         say("Waiting the machine's jitter alone implies (the plain-Keras steps of the "
