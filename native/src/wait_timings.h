@@ -6,7 +6,9 @@
 //   1. spin:  poll without giving up the core, until kSpinSeconds (the
 //             engine) or kPythonSpinSeconds (Python's waits);
 //   2. yield: poll, giving the core to any other runnable thread between
-//             polls (sched_yield / time.sleep(0)), until kYieldSeconds;
+//             polls (sched_yield / time.sleep(0)), until kYieldSeconds
+//             (the engine: kOwnCoreYieldSeconds when every local rank has a
+//             CPU of its own);
 //   3. block: sleep between polls. The engine blocks in a futex on the step
 //             counter of a missing peer, which that peer's publish wakes at
 //             once, for at most kFutexWaitSeconds per round; Python cannot be
