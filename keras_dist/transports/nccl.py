@@ -12,6 +12,7 @@ error raised, so a dead rank or a stall raises as on the CPU transports.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,6 +45,34 @@ def _import_nccl():
     return cupy, nccl
 
 
+def create_communicator(nccl, device, size: int, unique_id, rank: int, waiter: Waiter):
+    """``nccl.NcclCommunicator(size, unique_id, rank)`` on ``device``, bounded as a collective.
+
+    NCCL's communicator creation blocks until every rank has called it, and
+    cannot be interrupted. It runs in a helper thread (which makes ``device``
+    its current GPU first: the communicator binds to the calling thread's
+    device) while this thread waits as every keras_dist wait does: a local
+    peer that dies raises ``PeerFailureError``, and ``KERAS_DIST_TIMEOUT_SECONDS``
+    bounds the wait (``CollectiveTimeoutError``). The helper stays blocked in
+    NCCL after such an error; the job ends on it (kdrun stops every rank).
+    """
+    made: dict = {}
+
+    def make() -> None:
+        try:
+            device.use()
+            made["comm"] = nccl.NcclCommunicator(size, unique_id, rank)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the waiting thread
+            made["error"] = error
+
+    helper = threading.Thread(target=make, name="keras_dist-nccl-init", daemon=True)
+    helper.start()
+    waiter.wait(lambda: not helper.is_alive(), "creating the NCCL communicator")
+    if "error" in made:
+        raise made["error"]
+    return made["comm"]
+
+
 class NcclTransport(Transport):
     """Collectives on cupy device arrays over an NCCL communicator.
 
@@ -67,15 +96,16 @@ class NcclTransport(Transport):
         unique_id = nccl.get_unique_id() if comm.Get_rank() == 0 else None
         unique_id = comm.bcast(unique_id, root=0)
         peers = describe_peers(comm)
+        waiter = Waiter(peers, comm.Get_rank(), config.stall_check_seconds,
+                        config.timeout_seconds, self.name)
         try:
-            self.comm = nccl.NcclCommunicator(comm.Get_size(), unique_id, comm.Get_rank())
+            self.comm = create_communicator(nccl, self.device, comm.Get_size(), unique_id,
+                                            comm.Get_rank(), waiter)
         except nccl.NcclError as error:
             status = getattr(error, "status", None)
             raise TransportError(f"NCCL failed to create its communicator on rank "
                                  f"{comm.Get_rank()} (status {status}): {error}") from error
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        waiter = Waiter(peers, comm.Get_rank(), config.stall_check_seconds,
-                        config.timeout_seconds, self.name)
         self.queue = DeviceQueue(self.stream, cupy.cuda.get_current_stream, self.comm, waiter,
                                  nccl.NcclError, comm.Get_rank(), self.name)
 
