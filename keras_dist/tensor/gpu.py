@@ -22,7 +22,7 @@ import contextlib
 import numpy as np
 
 from keras_dist import _vocab, transports
-from keras_dist._runtime import context
+from keras_dist._runtime import context, timeline
 from keras_dist.tensor import fusion
 
 #: dtypes the device path carries: NCCL's, less bfloat16 (cupy has no bfloat16;
@@ -101,8 +101,14 @@ def _array_module(value):
 
 def grouped_allreduce(values: list, op: _vocab.ReduceOp, prescale: float, postscale: float,
                       compression, counters: dict[str, int], name: str = "allreduce",
-                      group=None) -> list:
-    """``values`` (cupy arrays) reduced across ranks; cupy arrays on the same device out."""
+                      group=None, labels: list[str] | None = None) -> list:
+    """``values`` (cupy arrays) reduced across ranks; cupy arrays on the same device out.
+
+    On the timeline the call is one collective span (``labels``: the tensors'
+    names; default those of ``timeline.tensor_names``), from the first fused
+    buffer to the host's wait for the last; a GPU transport does not split it
+    into waiting and moving data.
+    """
     group = group or context.get()
     compressed, contexts = zip(*(compression.compress(v) for v in values))
     xp = _array_module(compressed[0])
@@ -119,17 +125,28 @@ def grouped_allreduce(values: list, op: _vocab.ReduceOp, prescale: float, postsc
         transport = transports.gpu_transport(group)
         results = list(compressed)
         threshold = group.config.fusion_threshold_bytes
-        for bucket in fusion.plan_buckets(compressed, threshold):
-            members = [compressed[i] for i in bucket]
-            offsets, total = _layout(members)
-            flat = _aligned_zeros(xp, total, members[0].dtype)  # zeros between members
-            for offset, member in zip(offsets, members):
-                flat[offset : offset + member.size] = member.ravel()
-            _vocab.scale_in_place(flat, prescale, xp)
-            transport.allreduce(flat, _vocab.TRANSPORT_OPS[op], name=f"{name} {op.value}")
-            counters["allreduce"] += 1
-            _vocab.finish_reduction(flat, op, group.size, postscale, xp)
-            for index, offset, member in zip(bucket, offsets, members):
-                results[index] = flat[offset : offset + member.size].reshape(member.shape)
-        transport.complete(f"{name} {op.value} of {len(values)} tensors")
+        with timeline.activity(name, "allreduce", sum(v.nbytes for v in compressed), transport,
+                               labels):
+            _reduce_buckets(transport, compressed, results, op, prescale, postscale, counters,
+                            name, group, threshold)
     return [compression.decompress(r, c) for r, c in zip(results, contexts)]
+
+
+def _reduce_buckets(transport, compressed, results: list, op: _vocab.ReduceOp, prescale: float,
+                    postscale: float, counters: dict[str, int], name: str, group,
+                    threshold: int) -> None:
+    """``grouped_allreduce``'s fused buckets on ``transport``, into ``results``."""
+    xp = _array_module(compressed[0])
+    for bucket in fusion.plan_buckets(compressed, threshold):
+        members = [compressed[i] for i in bucket]
+        offsets, total = _layout(members)
+        flat = _aligned_zeros(xp, total, members[0].dtype)  # zeros between members
+        for offset, member in zip(offsets, members):
+            flat[offset : offset + member.size] = member.ravel()
+        _vocab.scale_in_place(flat, prescale, xp)
+        transport.allreduce(flat, _vocab.TRANSPORT_OPS[op], name=f"{name} {op.value}")
+        counters["allreduce"] += 1
+        _vocab.finish_reduction(flat, op, group.size, postscale, xp)
+        for index, offset, member in zip(bucket, offsets, members):
+            results[index] = flat[offset : offset + member.size].reshape(member.shape)
+    transport.complete(f"{name} {op.value} of {len(compressed)} tensors")

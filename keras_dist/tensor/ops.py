@@ -590,13 +590,13 @@ def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale:
                                      name or "allreduce", group, labels),
         "allreduce",
         grad=tf_ops.allreduce_grad(grouped_allreduce, op, prescale, postscale, process_set),
-        device_fn=_device_allreduce(op, prescale, postscale, name, group),
+        device_fn=_device_allreduce(op, prescale, postscale, name, group, labels),
     )
     return [compression.decompress(r, c) for r, c in zip(results, contexts)]
 
 
 def _device_allreduce(op: ReduceOp, prescale: float, postscale: float, name: str | None,
-                      group):
+                      group, labels: list[str] | None = None):
     """The allreduce on device arrays (``conversions.run``'s ``device_fn``): GPU
     tensors of the job's group reduced on the GPU data plane; None (the host
     path) for Adasum and process sets, which the GPU path does not serve."""
@@ -606,7 +606,7 @@ def _device_allreduce(op: ReduceOp, prescale: float, postscale: float, name: str
 
     return lambda arrays: gpu.grouped_allreduce(arrays, op, prescale, postscale,
                                                 Compression.none, COUNTERS,
-                                                name or "allreduce", group)
+                                                name or "allreduce", group, labels)
 
 
 def _check_sparse(op: ReduceOp, prescale: float, postscale: float) -> None:

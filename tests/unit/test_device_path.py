@@ -154,6 +154,36 @@ def test_grouped_allreduce_on_device_matches_numpy_float64(framework):
         np.testing.assert_array_equal(np.asarray(value), original)
 
 
+def test_a_device_allreduce_is_one_span_on_the_timeline(tmp_path, capsys):
+    import json
+
+    rng = np.random.default_rng(4)
+    mine = [rng.standard_normal(s).astype(np.float32) for s in [(3, 4), (5,)]]
+    peer = [rng.standard_normal(s).astype(np.float32) for s in [(3, 4), (5,)]]
+    offsets, total = gpu._layout(mine)
+    fused = np.zeros(total, np.float32)
+    for offset, array in zip(offsets, peer):
+        fused[offset : offset + array.size] = array.ravel()
+    transport = _PeersTransport([fused])
+    transport.wait_seconds = lambda: None  # as a GPU transport: whole calls
+    path = tmp_path / "t.json"
+    kd.start_timeline(str(path))
+    try:
+        results = gpu.grouped_allreduce([m.copy() for m in mine], kd.Sum, 1.0, 1.0,
+                                        Compression.none, collections.Counter(), "grads",
+                                        _fake_group(transport, 2, threshold=1 << 20),
+                                        ["dense/kernel", "dense/bias"])
+    finally:
+        kd.stop_timeline()
+    for result, a, b in zip(results, mine, peer):
+        np.testing.assert_allclose(result, a.astype(np.float64) + b, rtol=1e-6)
+    assert "1 collectives" in capsys.readouterr().err
+    spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in spans] == ["allreduce"]  # not split: no wait counter
+    assert spans[0]["args"] == {"bytes": 68, "name": "grads",
+                                "tensors": ["dense/kernel", "dense/bias"]}
+
+
 # ---------------------------------------------------------------------------
 # The public collectives take the device path (size 1: scaling only).
 
