@@ -127,26 +127,17 @@ def grouped_allreduce(values: list, op: _vocab.ReduceOp, prescale: float, postsc
         threshold = group.config.fusion_threshold_bytes
         with timeline.activity(name, "allreduce", sum(v.nbytes for v in compressed), transport,
                                labels):
-            _reduce_buckets(transport, compressed, results, op, prescale, postscale, counters,
-                            name, group, threshold)
+            for bucket in fusion.plan_buckets(compressed, threshold):
+                members = [compressed[i] for i in bucket]
+                offsets, total = _layout(members)
+                flat = _aligned_zeros(xp, total, members[0].dtype)  # zeros between members
+                for offset, member in zip(offsets, members):
+                    flat[offset : offset + member.size] = member.ravel()
+                _vocab.scale_in_place(flat, prescale, xp)
+                transport.allreduce(flat, _vocab.TRANSPORT_OPS[op], name=f"{name} {op.value}")
+                counters["allreduce"] += 1
+                _vocab.finish_reduction(flat, op, group.size, postscale, xp)
+                for index, offset, member in zip(bucket, offsets, members):
+                    results[index] = flat[offset : offset + member.size].reshape(member.shape)
+            transport.complete(f"{name} {op.value} of {len(values)} tensors")
     return [compression.decompress(r, c) for r, c in zip(results, contexts)]
-
-
-def _reduce_buckets(transport, compressed, results: list, op: _vocab.ReduceOp, prescale: float,
-                    postscale: float, counters: dict[str, int], name: str, group,
-                    threshold: int) -> None:
-    """``grouped_allreduce``'s fused buckets on ``transport``, into ``results``."""
-    xp = _array_module(compressed[0])
-    for bucket in fusion.plan_buckets(compressed, threshold):
-        members = [compressed[i] for i in bucket]
-        offsets, total = _layout(members)
-        flat = _aligned_zeros(xp, total, members[0].dtype)  # zeros between members
-        for offset, member in zip(offsets, members):
-            flat[offset : offset + member.size] = member.ravel()
-        _vocab.scale_in_place(flat, prescale, xp)
-        transport.allreduce(flat, _vocab.TRANSPORT_OPS[op], name=f"{name} {op.value}")
-        counters["allreduce"] += 1
-        _vocab.finish_reduction(flat, op, group.size, postscale, xp)
-        for index, offset, member in zip(bucket, offsets, members):
-            results[index] = flat[offset : offset + member.size].reshape(member.shape)
-    transport.complete(f"{name} {op.value} of {len(compressed)} tensors")
