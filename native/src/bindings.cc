@@ -546,7 +546,10 @@ constexpr size_t kGatherRecord = kGatherWords * sizeof(int64_t) + kGatherInline;
 nb::object engine_allgather_array(kd::ShmEngine& engine, nb::handle x, nb::handle label) {
   const ArrayIn in(x.ptr());
   if (!in.ok() || in.ndim() > kGatherMaxDims) return nb::none();
-  std::string name = "allgather";
+  // Kept between calls (used with the GIL held): no allocation per call.
+  static thread_local std::string name, shapes_name;
+  static thread_local std::vector<uint64_t> counts;
+  name.assign("allgather");
   if (!label.is_none()) {
     Py_ssize_t size = 0;
     const char* chars =
@@ -557,11 +560,10 @@ nb::object engine_allgather_array(kd::ShmEngine& engine, nb::handle x, nb::handl
     }
     if (size > 0) name.assign(chars, size_t(size));
   }
-  const std::string shapes_name = name + " shapes";
+  shapes_name.assign(name).append(" shapes");
   const int n = engine.local_size();
   const size_t data_bytes = in.nbytes();
   const bool inline_data = data_bytes <= kGatherInline;
-  alignas(8) uint8_t record[kGatherRecord];
   int64_t mine[kGatherWords] = {};
   mine[0] = int64_t(kGatherWords * sizeof(int64_t) + (inline_data ? data_bytes : 0));
   mine[1] = inline_data ? 1 : 0;
@@ -569,20 +571,15 @@ nb::object engine_allgather_array(kd::ShmEngine& engine, nb::handle x, nb::handl
   mine[3] = in.type->number;
   if (in.ndim() == 0) mine[4] = 1;
   for (int d = 0; d < in.ndim(); ++d) mine[4 + d] = in.shape()[d];
-  std::memcpy(record, mine, sizeof(mine));
-  if (inline_data && data_bytes) std::memcpy(record + sizeof(mine), in.data(), data_bytes);
-  static thread_local std::vector<uint8_t> gathered;
-  static thread_local std::vector<uint64_t> record_counts;
-  gathered.resize(size_t(n) * kGatherRecord);
-  record_counts.assign(size_t(n), kGatherRecord);
-  uint8_t* const records = gathered.data();
   {
     nb::gil_scoped_release release;
-    engine.allgatherv(record, kGatherRecord, records, record_counts, shapes_name, true);
+    engine.gather_records(mine, sizeof(mine), in.data(), inline_data ? data_bytes : 0,
+                          kGatherRecord, shapes_name);
   }
+  // The records stay in the engine's slots until this rank's next collective.
   auto words = [&](int p) {  // rank p's record's words (an aligned copy)
     std::array<int64_t, kGatherWords> w;
-    std::memcpy(w.data(), records + size_t(p) * kGatherRecord, sizeof(mine));
+    std::memcpy(w.data(), engine.record(p), sizeof(mine));
     return w;
   };
   int64_t rows = 0;
@@ -601,7 +598,7 @@ nb::object engine_allgather_array(kd::ShmEngine& engine, nb::handle x, nb::handl
     rows += h[4];
     all_inline = all_inline && h[1] != 0;
   }
-  std::vector<uint64_t> counts(static_cast<size_t>(n));
+  counts.resize(size_t(n));
   int64_t row_items = 1;
   for (int d = 1; d < mine[2]; ++d) row_items *= mine[4 + d];
   for (int p = 0; p < n; ++p) {
@@ -620,7 +617,7 @@ nb::object engine_allgather_array(kd::ShmEngine& engine, nb::handle x, nb::handl
   if (all_inline) {
     uint8_t* at = static_cast<uint8_t*>(result);
     for (int p = 0; p < n; ++p) {
-      std::memcpy(at, records + size_t(p) * kGatherRecord + sizeof(mine), counts[size_t(p)]);
+      std::memcpy(at, engine.record(p) + sizeof(mine), counts[size_t(p)]);
       at += counts[size_t(p)];
     }
     return out;

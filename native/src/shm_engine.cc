@@ -1065,6 +1065,34 @@ void ShmEngine::broadcast(void* buf, size_t nbytes, int root, std::string_view n
   } while (off < nbytes);
 }
 
+void ShmEngine::gather_records(const void* head, size_t head_bytes, const void* body,
+                               size_t body_bytes, size_t record_bytes, std::string_view name) {
+  uint64_t used = 0;
+  if (head_bytes >= sizeof(used)) std::memcpy(&used, head, sizeof(used));
+  const size_t limit = std::min(half_bytes_, size_t(1) << 20);
+  if (head_bytes < sizeof(used) || used != head_bytes + body_bytes || used > record_bytes ||
+      record_bytes > limit) {
+    throw std::invalid_argument(
+        "gather_records: the record must start with its used bytes (8 <= head + body <= "
+        "record_bytes <= " + std::to_string(limit) + "). Received: first word " +
+        std::to_string(used) + ", head " + std::to_string(head_bytes) + " + body " +
+        std::to_string(body_bytes) + " bytes, record_bytes " + std::to_string(record_bytes));
+  }
+  record_counts_.assign(size_t(n_), record_bytes);
+  begin_allgatherv(record_counts_, name);
+  uint8_t* mine = data(me_, next_buf_);
+  std::memcpy(mine, head, head_bytes);
+  if (body_bytes) std::memcpy(mine + head_bytes, body, body_bytes);
+  if (n_ > 1) {  // the prefixed allgatherv's one chunk, read in place
+    ctl(me_)->hdr[(coll_ - 1) & 1].path = kChunked;
+    publish();
+    wait_all();
+    check_headers();
+  }
+  records_buf_ = next_buf_;
+  next_buf_ ^= 1;
+}
+
 void ShmEngine::allgatherv(const void* send, size_t send_bytes, void* recv,
                            const std::vector<uint64_t>& counts_bytes, std::string_view name,
                            bool prefixed) {

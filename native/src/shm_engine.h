@@ -105,6 +105,15 @@ class ShmEngine {
                   const std::vector<uint64_t>& counts_bytes, std::string_view name = {},
                   bool prefixed = false);
   void barrier();
+  // The prefixed allgatherv above (same header, so peers may call either),
+  // with this rank's record written straight into its slot (`head`, then
+  // `body`; head's first uint64 says how many bytes of the record matter)
+  // and every rank's record left there: record(p) points at rank p's until
+  // this rank's next collective (a peer rewrites that buffer only after
+  // this rank has published a later step).
+  void gather_records(const void* head, size_t head_bytes, const void* body, size_t body_bytes,
+                      size_t record_bytes, std::string_view name = {});
+  const uint8_t* record(int p) const { return data(p, records_buf_); }
 
   // One contiguous run of an allreduce's message (allreduce_parts): `nbytes`
   // read from `src`, and the same bytes of the result written to `dst`
@@ -196,6 +205,8 @@ class ShmEngine {
   EngineOptions opt_;
   EngineHooks hooks_;
   int me_ = 0;
+  int records_buf_ = 0;  // the buffer of the last gather_records
+  std::vector<uint64_t> record_counts_;  // its counts (kept: no allocation per call)
   int n_ = 1;
   int fd_ = -1;
   uint8_t* base_ = nullptr;
