@@ -86,16 +86,33 @@ GROUP_POOL_MIN_BYTES = 256 << 10
 _BYTE = np.dtype(np.uint8)
 
 
-def aligned_like(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+class AlignedViews(list):
+    """``aligned_like``'s arrays, with ``region``: the bytes that hold them all
+    (a uint8 array; array ``i`` starts at ``aligned_offsets(...)[0][i]``), which
+    a traced TensorFlow step takes as one output (``conversions``)."""
+
+    region: np.ndarray
+
+
+def aligned_offsets(nbytes: Sequence[int]) -> tuple[list[int], int]:
+    """Where ``aligned_like`` puts arrays of these sizes: their offsets, each a
+    multiple of ``ALIGN_BYTES``, and the bytes the region spans."""
+    offsets = []
+    total = 0
+    for size in nbytes:
+        offsets.append(total)
+        total += -(-size // ALIGN_BYTES) * ALIGN_BYTES
+    return offsets, total
+
+
+def aligned_like(arrays: Sequence[np.ndarray]) -> AlignedViews:
     """Uninitialised arrays shaped like ``arrays``, views of one new buffer,
     each starting on an ``ALIGN_BYTES`` boundary: one allocation for a whole
     group of outputs, which TensorFlow adopts without copying."""
-    offsets = []
-    total = 0
-    for array in arrays:
-        offsets.append(total)
-        total += -(-array.nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    offsets, total = aligned_offsets([array.nbytes for array in arrays])
     raw = outputs.POOL.empty((total + ALIGN_BYTES,), _BYTE, min_bytes=GROUP_POOL_MIN_BYTES)
     start = -raw.ctypes.data % ALIGN_BYTES
-    return [raw[start + offset : start + offset + array.nbytes].view(array.dtype)
-            .reshape(array.shape) for offset, array in zip(offsets, arrays)]
+    views = AlignedViews(raw[start + offset : start + offset + array.nbytes].view(array.dtype)
+                         .reshape(array.shape) for offset, array in zip(offsets, arrays))
+    views.region = raw[start : start + total]
+    return views

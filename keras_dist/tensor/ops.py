@@ -162,12 +162,11 @@ def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
         return [_allreduce_numpy(a, op, prescale, postscale, name, group) for a in arrays]
     transport = group.transport
     code = _vocab.TRANSPORT_OPS[op]
-    outputs: list[np.ndarray | None] = list(arrays)  # empty arrays pass through
     buckets = fusion.plan_buckets(arrays, group.config.fusion_threshold_bytes)
-    # Every result is a view of one aligned buffer: one allocation, and no
-    # copy when TensorFlow takes them from tf.numpy_function.
-    results_of = dict(zip([i for bucket in buckets for i in bucket],
-                          fusion.aligned_like([arrays[i] for bucket in buckets for i in bucket])))
+    # Every result is a view of one aligned buffer, in the order of `arrays`:
+    # one allocation, and no copy when a traced TensorFlow step takes them
+    # (as that buffer, `conversions`) from tf.numpy_function.
+    outputs = fusion.aligned_like(arrays)
     # The shm transport reduces a bucket from the arrays straight into the
     # results, without a fused buffer, when nothing is scaled but an Average.
     reduce_parts = prescale == 1.0 and postscale == 1.0 and callable(
@@ -176,9 +175,7 @@ def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
                            labels):
         for bucket in buckets:
             members = [arrays[i] for i in bucket]
-            results = [results_of[i] for i in bucket]
-            for index, result in zip(bucket, results):
-                outputs[index] = result
+            results = [outputs[i] for i in bucket]
             dtype = members[0].dtype
             described = _describe(f"{name} {op.value}",
                                   tuple((a.shape, a.dtype.str) for a in members), len(arrays))
@@ -591,6 +588,7 @@ def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale:
         "allreduce",
         grad=tf_ops.allreduce_grad(grouped_allreduce, op, prescale, postscale, process_set),
         device_fn=_device_allreduce(op, prescale, postscale, name, group, labels),
+        one_buffer=True,
     )
     return [compression.decompress(r, c) for r, c in zip(results, contexts)]
 

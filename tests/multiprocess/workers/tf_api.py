@@ -280,6 +280,36 @@ def test_bools_and_process_set_none():
     assert in_graph(lambda: [kd.size_op(), kd.rank_op()]) == [SIZE, RANK]
 
 
+def test_traced_grouped_allreduce_mixed_shapes_and_dtypes():
+    # A traced step's results up to 64 KiB leave the host call as one buffer,
+    # sliced apart in the graph; larger ones travel on their own. Every kind
+    # here, exact against float64 references on every rank.
+    specs = [((64, 64), np.float32), ((129, 257), np.float32), ((7,), np.float32),
+             ((33,), np.float16), ((5, 3), np.float64), ((10,), np.int32), ((0,), np.float32),
+             ((), np.float32), ((2000,), np.float32), ((3, 3, 2, 8), np.float32),
+             ((300, 70), np.float64), ((6,), np.int64)]
+    inputs = {r: [data(700 + i, r, shape, dtype) for i, (shape, dtype) in enumerate(specs)]
+              for r in range(SIZE)}
+
+    @tf.function
+    def step(*xs):
+        return kd.grouped_allreduce([x * 1 for x in xs], op=kd.Sum)
+
+    for attempt in range(2):  # the second call reuses the pooled buffer
+        got = step(*[tf.constant(x) for x in inputs[RANK]])
+        for i, ((shape, dtype), result) in enumerate(zip(specs, got)):
+            want = np.sum([inputs[r][i].astype(np.float64) for r in range(SIZE)], 0)
+            assert result.shape == shape and result.dtype == tf.as_dtype(dtype), \
+                f"traced grouped tensor {i}: {result.shape} {result.dtype}"
+            close(f"traced grouped tensor {i} {shape} {np.dtype(dtype).name} call {attempt}",
+                  result.numpy(), want.astype(dtype), rtol=1e-3 if dtype == np.float16 else 1e-6)
+    averaged = tf.function(lambda *xs: kd.grouped_allreduce(list(xs), op=kd.Average))(
+        *[tf.constant(x) for x in inputs[RANK][:3]])
+    for i, result in enumerate(averaged):
+        want = np.mean([inputs[r][i].astype(np.float64) for r in range(SIZE)], 0)
+        close(f"traced grouped Average {i}", result.numpy(), want, rtol=1e-5)
+
+
 def test_graph_collectives_run_in_build_order():
     # A session runs independent ops in any order; the collectives of a TF1
     # graph must still run in the order they were built, the same on every rank.
