@@ -57,3 +57,17 @@ def test_bench_runs_checked_side_by_side(transport, collective, dtype, op):
     assert "# Out of bounds values : 0 OK" in out, result.describe()
     assert out.count("# Avg bus bandwidth") == 2, result.describe()
     assert _rows(result.rank_stdout.get(1, "")) == [], "only rank 0 prints"
+
+
+@pytest.mark.timeout(200)
+def test_host_call_outputs_benchmark_runs_and_checks_weights():
+    # benchmarks/host_call_outputs.py: both keras_dist models end equal on every rank.
+    result = run_job([sys.executable, "benchmarks/host_call_outputs.py", "--model", "mlp",
+                      "--steps", "2", "--reps", "2"], np=2, timeout=150,
+                     env={"OMP_NUM_THREADS": "1"})
+    result.check()
+    out = result.rank_stdout.get(0, "")
+    assert "#wrong 0" in out, result.describe()
+    rows = _rows(out)
+    assert [row[0] for row in rows] == ["0", "1"], result.describe()
+    assert all(float(value) > 0 for row in rows for value in row[1:4]), result.describe()
