@@ -112,7 +112,7 @@ def aligned_like(arrays: Sequence[np.ndarray]) -> AlignedViews:
     offsets, total = aligned_offsets([array.nbytes for array in arrays])
     raw = outputs.POOL.empty((total + ALIGN_BYTES,), _BYTE, min_bytes=GROUP_POOL_MIN_BYTES)
     start = -raw.ctypes.data % ALIGN_BYTES
-    views = AlignedViews(raw[start + offset : start + offset + array.nbytes].view(array.dtype)
-                         .reshape(array.shape) for offset, array in zip(offsets, arrays))
+    views = AlignedViews(np.ndarray(array.shape, array.dtype, raw, start + offset)
+                         for offset, array in zip(offsets, arrays))
     views.region = raw[start : start + total]
     return views

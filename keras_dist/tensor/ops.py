@@ -80,7 +80,7 @@ def _check_root(root_rank, group) -> int:
 
 
 def _check_dtypes(dtypes: Sequence[np.dtype], collective: str) -> None:
-    for dtype in dtypes:
+    for dtype in dict.fromkeys(dtypes):  # each dtype once (a step's gradients share one)
         if not _vocab.is_supported(dtype):
             raise TypeError(
                 f"`{collective}` supports {_vocab.SUPPORTED_DTYPE_NAMES}. "

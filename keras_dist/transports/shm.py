@@ -171,14 +171,13 @@ class ShmTransport(Transport):
         code = self._codes.get(dtype.num)
         if code is None:
             code = self._codes[dtype.num] = _vocab.dtype_code(dtype)
-        if code == _vocab.BFLOAT16:  # numpy cannot export bfloat16 buffers: as bytes
-            srcs = [a.reshape(-1).view(np.uint8) for a in srcs]
-            dsts = [a.reshape(-1).view(np.uint8) for a in dsts]
-        else:
-            srcs = [a.reshape(-1) for a in srcs]
-            dsts = [a.reshape(-1) for a in dsts]
+        # C-contiguous numpy arrays of any shape, bfloat16 included, go as they
+        # are; a numpy scalar (what tf.numpy_function hands over for a 0-d
+        # tensor) as a 0-d array.
+        srcs = [a if type(a) is np.ndarray else np.asarray(a) for a in srcs]
         try:
-            return self._open_engine().allreduce_parts(srcs, dsts, code, op, average, name)
+            return self._open_engine().allreduce_parts(srcs, list(dsts), code, op, average,
+                                                       name)
         except NATIVE_ERRORS as exc:
             raise translate(exc) from None
 

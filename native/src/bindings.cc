@@ -236,24 +236,40 @@ bool engine_allreduce_parts(kd::ShmEngine& engine, nb::list srcs, nb::list dsts,
   }
   const size_t esize = kd::dtype_size(dtype_code);
   std::vector<std::unique_ptr<ByteBuffer>> held;
-  held.reserve(2 * srcs.size());
   std::vector<kd::ShmEngine::Part> parts;
   parts.reserve(srcs.size());
+  // A C-contiguous numpy array of the element size (or of bytes), of any
+  // shape, is read through numpy's C API; other buffers (1-D) as ByteBuffer.
+  auto run_of = [&](nb::handle obj, bool writable, const char* side, size_t i) {
+    PyObject* o = obj.ptr();
+    if (PyArray_Check(o)) {
+      auto* a = reinterpret_cast<PyArrayObject*>(o);
+      const size_t item = size_t(PyArray_ITEMSIZE(a));
+      if (PyArray_IS_C_CONTIGUOUS(a) && (!writable || PyArray_ISWRITEABLE(a)) &&
+          (item == esize || PyArray_TYPE(a) == NPY_UINT8)) {
+        return std::pair<uint8_t*, size_t>(static_cast<uint8_t*>(PyArray_DATA(a)),
+                                           size_t(PyArray_NBYTES(a)));
+      }
+    }
+    const std::string what = std::string(side) + "[" + std::to_string(i) + "]";
+    held.emplace_back(new ByteBuffer(obj, writable, what.c_str(), esize));
+    return std::pair<uint8_t*, size_t>(held.back()->data(), held.back()->size());
+  };
   for (size_t i = 0; i < srcs.size(); ++i) {
-    const std::string src_what = "srcs[" + std::to_string(i) + "]";
-    const std::string dst_what = "dsts[" + std::to_string(i) + "]";
-    held.emplace_back(new ByteBuffer(srcs[i], false, src_what.c_str(), esize));
-    const ByteBuffer& src = *held.back();
-    held.emplace_back(new ByteBuffer(dsts[i], true, dst_what.c_str(), esize));
-    const ByteBuffer& dst = *held.back();
-    element_count(src.size(), dtype_code, src_what.c_str());
-    if (dst.size() != src.size()) {
+    const auto [src, src_bytes] = run_of(srcs[i], false, "srcs", i);
+    const auto [dst, dst_bytes] = run_of(dsts[i], true, "dsts", i);
+    if (src_bytes % esize != 0) {
+      element_count(src_bytes, dtype_code, ("srcs[" + std::to_string(i) + "]").c_str());
+    }
+    if (dst_bytes != src_bytes) {
+      const std::string src_what = "srcs[" + std::to_string(i) + "]";
+      const std::string dst_what = "dsts[" + std::to_string(i) + "]";
       throw nb::value_error(("allreduce_parts: `" + dst_what + "` must have as many bytes as `" +
-                             src_what + "`. Received: " + std::to_string(dst.size()) + " and " +
-                             std::to_string(src.size()))
+                             src_what + "`. Received: " + std::to_string(dst_bytes) + " and " +
+                             std::to_string(src_bytes))
                                 .c_str());
     }
-    parts.push_back({src.data(), dst.data(), src.size()});
+    parts.push_back({src, dst, src_bytes});
   }
   const std::string_view text = name_text(name);
   nb::gil_scoped_release release;

@@ -256,6 +256,16 @@ def mode_parts(args):
                         tol = 2e-3 if np.dtype(dtype).itemsize == 2 else 1e-6
                         assert np.all(np.abs(got.astype(np.float64) - want)
                                       <= tol * scale), label
+    # Parts of any shape (read as they are), a 0-d array and a numpy scalar among them.
+    inputs = [rank_data(np.float32, 3 * 5 + 1 + 1 + 8, r, _dtypes.SUM, 4321) for r in range(SIZE)]
+    mine = inputs[RANK]
+    srcs = [mine[:15].reshape(3, 5), mine[15:16].reshape(()), mine[16], mine[17:].reshape(2, 2, 2)]
+    dsts = [np.empty((3, 5), np.float32), np.empty((), np.float32), np.empty(1, np.float32),
+            np.empty((2, 2, 2), np.float32)]
+    assert transport.allreduce_parts(srcs, dsts, _dtypes.SUM)
+    got = np.concatenate([d.reshape(-1) for d in dsts])
+    check_against(got, inputs, np.float32, _dtypes.SUM, not args.ranks_per_node,
+                  "allreduce_parts of shaped parts")
     # In place: each destination its own source.
     xs = [np.full(5, RANK + 1.0, np.float32), np.full(70_001, RANK + 2.0, np.float32)]
     assert transport.allreduce_parts(xs, xs, _dtypes.SUM)
