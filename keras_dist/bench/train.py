@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-MODELS = ("mlp", "cnn", "resnet-small")
+MODELS = ("mlp", "cnn", "resnet-small", "deep-mlp")
 _SEED = 1234
 
 
@@ -96,7 +96,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def input_shape(model: str) -> tuple[int, ...]:
-    return {"mlp": (784,), "cnn": (28, 28, 1), "resnet-small": (32, 32, 3)}[model]
+    return {"mlp": (784,), "cnn": (28, 28, 1), "resnet-small": (32, 32, 3),
+            "deep-mlp": (784,)}[model]
 
 
 def _other_model(name: str, image_size: int):
@@ -134,6 +135,10 @@ def build_model(name: str, image_size: int = 32):
     if name == "mlp":  # the MNIST example's size class
         x = layers.Dense(512, activation="relu")(inputs)
         x = layers.Dense(512, activation="relu")(x)
+    elif name == "deep-mlp":  # many small gradients (84 tensors): the per-tensor cost
+        x = inputs
+        for _ in range(41):
+            x = layers.Dense(64, activation="relu")(x)
     elif name == "cnn":
         x = layers.Conv2D(16, 3, activation="relu")(inputs)
         x = layers.MaxPooling2D()(x)
