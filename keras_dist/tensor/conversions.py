@@ -557,33 +557,41 @@ _IN_BUFFER_MAX_BYTES = 64 << 10
 def _buffer_layout(dtypes: list, shapes: list) -> tuple | None:
     """Which outputs of a traced step's ``numpy_function`` leave it in one
     buffer laid out as ``fusion.aligned_like`` lays out arrays of these shapes
-    and dtypes: ``(offsets, total bytes, bytes, in_buffer flags)``, or None
-    (a shape unknown when tracing, or fewer than two outputs would share)."""
+    and dtypes: ``(offsets, total bytes, bytes, in_buffer flags, the buffer's
+    dtypes)``, or None (a shape unknown when tracing, or fewer than two
+    outputs would share). The buffer leaves the op once per dtype among the
+    outputs it holds (views of the same bytes), so that each output is a
+    slice and a reshape in the graph, without a bitcast."""
     import tensorflow as tf
 
     if not all(shape.is_fully_defined() for shape in shapes):
         return None
     nbytes = [shape.num_elements() * dtype.size for shape, dtype in zip(shapes, dtypes)]
     offsets, total = fusion.aligned_offsets(nbytes)
-    bitcastable = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.int16,
-                   tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64,
-                   tf.complex64, tf.complex128)
-    in_buffer = [dtype in bitcastable and size <= _IN_BUFFER_MAX_BYTES
+    numbers = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.int16, tf.int32,
+               tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64, tf.complex64,
+               tf.complex128)
+    in_buffer = [dtype in numbers and size <= _IN_BUFFER_MAX_BYTES
                  for dtype, size in zip(dtypes, nbytes)]
-    return (offsets, total, nbytes, in_buffer) if sum(in_buffer) > 1 else None
+    if sum(in_buffer) < 2:
+        return None
+    buffer_dtypes = list(dict.fromkeys(d for d, inside in zip(dtypes, in_buffer) if inside))
+    return offsets, total, nbytes, in_buffer, buffer_dtypes
 
 
 def _to_buffer(results: list, layout: tuple) -> list:
     """A numpy function's results as they leave the op: the buffer (``region``
-    of ``fusion.aligned_like`` views, else a copy), then the others."""
-    _, total, _, in_buffer = layout
+    of ``fusion.aligned_like`` views, else a copy) as each of its dtypes, then
+    the others."""
+    _, total, _, in_buffer, buffer_dtypes = layout
     region = getattr(results, "region", None)
     if region is None or region.nbytes != total:
         views = fusion.aligned_like(results)
         for view, result in zip(views, results):
             np.copyto(view, result)
         region = views.region
-    return [region, *(r for r, inside in zip(results, in_buffer) if not inside)]
+    return [*(region.view(dtype.as_numpy_dtype) for dtype in buffer_dtypes),
+            *(r for r, inside in zip(results, in_buffer) if not inside)]
 
 
 def _from_buffer(wire: list, layout: tuple, dtypes: list, shapes: list) -> list:
@@ -591,20 +599,18 @@ def _from_buffer(wire: list, layout: tuple, dtypes: list, shapes: list) -> list:
     buffer, which share its memory where they start and end aligned."""
     import tensorflow as tf
 
-    offsets, total, nbytes, in_buffer = layout
-    region, others = wire[0], iter(wire[1:])
-    region.set_shape([total])
+    offsets, total, nbytes, in_buffer, buffer_dtypes = layout
+    typed = dict(zip(buffer_dtypes, wire))
+    for dtype, region in typed.items():
+        region.set_shape([total // dtype.size])
+    others = iter(wire[len(buffer_dtypes):])
     outputs = []
     for offset, size, inside, dtype, shape in zip(offsets, nbytes, in_buffer, dtypes, shapes):
-        if not inside:
+        if inside:
+            piece = tf.slice(typed[dtype], [offset // dtype.size], [size // dtype.size])
+            outputs.append(tf.reshape(piece, shape))
+        else:
             outputs.append(next(others))
-            continue
-        piece = tf.slice(region, [offset], [size])
-        if dtype != tf.uint8:
-            if dtype.size > 1:
-                piece = tf.reshape(piece, [size // dtype.size, dtype.size])
-            piece = tf.bitcast(piece, dtype)
-        outputs.append(tf.reshape(piece, shape))
     return outputs
 
 
@@ -625,7 +631,7 @@ def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | N
               else [t.shape for t in _templates(tensors, len(dtypes))])
     layout = (_buffer_layout(dtypes, static) if one_buffer and device_fn is None else None)
     wire_dtypes = dtypes if layout is None else (
-        [tf.uint8, *(d for d, inside in zip(dtypes, layout[3]) if not inside)])
+        [*layout[4], *(d for d, inside in zip(dtypes, layout[3]) if not inside)])
 
     def reduce(inputs: list) -> list:
         if device_fn is None:

@@ -12,7 +12,7 @@ from keras_dist.errors import CollectiveMismatchError  # noqa: E402
 from keras_dist.tensor import conversions, fusion  # noqa: E402
 
 # (shape, dtype, leaves the op in the buffer): up to 64 KiB, aligned or not,
-# of a dtype TensorFlow can bitcast; larger ones and bools travel alone.
+# of a numeric dtype; larger ones and bools travel alone.
 SPECS = [((64, 64), np.float32, True), ((129, 257), np.float32, False),
          ((7,), np.float32, True), ((33,), np.float16, True), ((5, 3), np.float64, True),
          ((10,), np.int32, True), ((0,), np.float32, True), ((), np.float32, True),
@@ -55,7 +55,9 @@ def test_traced_outputs_leave_in_one_buffer_and_keep_their_values(numpy_fn):
             assert result.shape == shape and result.dtype == tf.as_dtype(dtype)
             assert np.array_equal(result.numpy(), _doubled_arrays([array])[0])
     alone = sum(not inside for _, _, inside in SPECS)
-    assert _host_call_outputs(traced, values) == 1 + alone + 1  # buffer, alone, status
+    kinds = len({np.dtype(dtype) for _, dtype, inside in SPECS if inside})
+    # The buffer once per dtype in it, the others, the status.
+    assert _host_call_outputs(traced, values) == kinds + alone + 1
     plain = tf.function(lambda *xs: conversions.run(list(xs), numpy_fn, "t"))
     assert _host_call_outputs(plain, values) == len(SPECS) + 1
 
@@ -63,7 +65,7 @@ def test_traced_outputs_leave_in_one_buffer_and_keep_their_values(numpy_fn):
 def test_layout_follows_aligned_like_and_needs_static_shapes():
     shapes = [tf.TensorShape(s) for s, _, _ in SPECS]
     dtypes = [tf.as_dtype(d) for _, d, _ in SPECS]
-    offsets, total, nbytes, inside = conversions._buffer_layout(dtypes, shapes)
+    offsets, total, nbytes, inside, kinds = conversions._buffer_layout(dtypes, shapes)
     arrays = _inputs()
     views = fusion.aligned_like(arrays)
     start = views.region.ctypes.data
@@ -73,6 +75,7 @@ def test_layout_follows_aligned_like_and_needs_static_shapes():
         if view.size:
             assert view.ctypes.data - start == offset
     assert inside == [flag for _, _, flag in SPECS]
+    assert kinds == list(dict.fromkeys(d for d, flag in zip(dtypes, inside) if flag))
     assert conversions._buffer_layout(dtypes[:2], [tf.TensorShape([None, 3])] * 2) is None
     assert conversions._buffer_layout([tf.float32], [tf.TensorShape([4])]) is None
 
