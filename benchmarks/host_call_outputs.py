@@ -20,27 +20,17 @@ float64 sums of every variable; a mismatch exits 1).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import _blocks  # noqa: E402  (this folder's shared pieces)
+
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="cnn", help="a keras_dist.bench train model")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=60, help="timed steps per block")
-    parser.add_argument("--reps", type=int, default=21, help="blocks of each kind")
-    args = parser.parse_args()
-
-    import numpy as np
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    args = _blocks.parse_args(__doc__.split("\n\n")[0], model="cnn", reps=21)
+    _blocks.one_thread()
     import keras
 
     import keras_dist as kd
@@ -49,10 +39,7 @@ def main() -> int:
 
     kd.init()
     rank, size = kd.rank(), kd.size()
-    rng = np.random.default_rng([1234, rank])
-    x = rng.normal(size=(args.batch_size, *train.build_model(args.model).input_shape[1:]))
-    x = x.astype("float32")
-    y = rng.integers(0, 10, size=(args.batch_size,))
+    x, y = _blocks.batch(args.model, args.batch_size, rank)
 
     def distributed():
         return train._compiled(args.model, kd.DistributedOptimizer(keras.optimizers.SGD(0.01)))
@@ -65,22 +52,8 @@ def main() -> int:
     conversions._buffer_layout = layout
     models["one buffer"].train_on_batch(x, y)
     kinds = list(models)
-    blocks = {k: [] for k in kinds}
-    for rep in range(args.reps):
-        for kind in kinds if rep % 2 == 0 else kinds[::-1]:
-            model = models[kind]
-            kd.barrier()
-            for _ in range(3):
-                model.train_on_batch(x, y)
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                model.train_on_batch(x, y)
-            blocks[kind].append((time.perf_counter() - start) / args.steps)
-    medians = {k: 1e3 * float(np.median(v)) for k, v in blocks.items()}
-    sums = [[float(np.sum(np.asarray(w, np.float64))) for w in models[k].get_weights()]
-            for k in ("separate", "one buffer")]
-    everyone = kd.allgather_object((medians, sums))
-    wrong = sum(s != everyone[0][1] for _, s in everyone)
+    medians = _blocks.median_steps(models, kinds, x, y, args.steps, args.reps)
+    everyone, wrong = _blocks.gather_checked(medians, [models["separate"], models["one buffer"]])
     if rank == 0:
         tensors = len(models["one buffer"].trainable_weights)
         print(f"# {args.model} ({tensors} gradient tensors), batch {args.batch_size} per rank, "
@@ -88,7 +61,7 @@ def main() -> int:
               "steps, kinds alternating")
         print(f"# {'rank':>4} " + " ".join(f"{k:>11}" for k in kinds)
               + "  separate - one buffer  (ms per step)")
-        for r, (m, _) in enumerate(everyone):
+        for r, m in enumerate(everyone):
             print(f"  {r:>4} " + " ".join(f"{m[k]:11.3f}" for k in kinds)
                   + f"  {m['separate'] - m['one buffer']:21.3f}")
         print(f"# #wrong {wrong} (ranks whose keras_dist models differ from rank 0's)")

@@ -25,28 +25,19 @@ variable; a mismatch exits 1).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import _blocks  # noqa: E402  (this folder's shared pieces)
+
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="mlp", help="a keras_dist.bench train model")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=60, help="timed steps per block")
-    parser.add_argument("--reps", type=int, default=7, help="blocks of each kind")
-    args = parser.parse_args()
-
-    import numpy as np
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    args = _blocks.parse_args(__doc__.split("\n\n")[0], model="mlp", reps=7)
+    _blocks.one_thread()
     import keras
+    import numpy as np
 
     import keras_dist as kd
     from keras_dist.bench import train
@@ -71,10 +62,7 @@ def main() -> int:
     ops._allreduce_arrays = local_or_real
     kd.init()
     rank, size = kd.rank(), kd.size()
-    rng = np.random.default_rng([1234, rank])
-    x = rng.normal(size=(args.batch_size, *train.build_model(args.model).input_shape[1:]))
-    x = x.astype("float32")
-    y = rng.integers(0, 10, size=(args.batch_size,))
+    x, y = _blocks.batch(args.model, args.batch_size, rank)
 
     def compiled(optimizer):
         return train._compiled(args.model, optimizer)
@@ -84,33 +72,20 @@ def main() -> int:
               "keras_dist": compiled(kd.DistributedOptimizer(keras.optimizers.SGD(0.01)))}
     models["+ sync"] = models["host call"]
     kinds = ["plain", "host call", "+ sync", "keras_dist"]
-    blocks = {k: [] for k in kinds}
-    for rep in range(args.reps):
-        for kind in kinds if rep % 2 == 0 else kinds[::-1]:
-            mode["kind"] = kind
-            model = models[kind]
-            kd.barrier()
-            for _ in range(3):
-                model.train_on_batch(x, y)
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                model.train_on_batch(x, y)
-            blocks[kind].append((time.perf_counter() - start) / args.steps)
+    medians = _blocks.median_steps(models, kinds, x, y, args.steps, args.reps,
+                                   before=lambda kind: mode.update(kind=kind))
     mode["kind"] = "keras_dist"
-    medians = {k: 1e3 * float(np.median(v)) for k, v in blocks.items()}
-    sums = [float(np.sum(np.asarray(w, np.float64))) for w in models["keras_dist"].get_weights()]
-    everyone = kd.allgather_object((medians, sums))
-    wrong = sum(s != everyone[0][1] for _, s in everyone)
+    everyone, wrong = _blocks.gather_checked(medians, [models["keras_dist"]])
     if rank == 0:
         print(f"# {args.model}, batch {args.batch_size} per rank, {size} ranks, 1 TF thread "
               f"each; median over {args.reps} blocks of {args.steps} steps, kinds alternating")
         print(f"# {'rank':>4} " + " ".join(f"{k:>11}" for k in kinds)
               + "   host call  waiting   moving   (ms per step)")
-        for r, (m, _) in enumerate(everyone):
+        for r, m in enumerate(everyone):
             print(f"  {r:>4} " + " ".join(f"{m[k]:11.2f}" for k in kinds)
                   + f"   {m['host call'] - m['plain']:9.2f} {m['+ sync'] - m['host call']:8.2f}"
                   f" {m['keras_dist'] - m['+ sync']:8.2f}")
-        print(f"# keras_dist / plain: {everyone[0][0]['plain'] / everyone[0][0]['keras_dist']:.3f}"
+        print(f"# keras_dist / plain: {everyone[0]['plain'] / everyone[0]['keras_dist']:.3f}"
               f" (rank 0); #wrong {wrong} (ranks whose averaged model differs from rank 0's)")
     return 1 if wrong else 0
 
