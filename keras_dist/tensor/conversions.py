@@ -581,14 +581,15 @@ def _buffer_layout(dtypes: list, shapes: list) -> tuple | None:
 
 def _to_buffer(results: list, layout: tuple) -> list:
     """A numpy function's results as they leave the op: the buffer (``region``
-    of ``fusion.aligned_like`` views, else a copy) as each of its dtypes, then
-    the others."""
+    of ``fusion.aligned_like`` views, else a copy of the results it holds) as
+    each of its dtypes, then the others."""
     _, total, _, in_buffer, buffer_dtypes = layout
     region = getattr(results, "region", None)
     if region is None or region.nbytes != total:
         views = fusion.aligned_like(results)
-        for view, result in zip(views, results):
-            np.copyto(view, result)
+        for view, result, inside in zip(views, results, in_buffer):
+            if inside:  # the others leave the op as they are
+                np.copyto(view, result)
         region = views.region
     return [*(region.view(dtype.as_numpy_dtype) for dtype in buffer_dtypes),
             *(r for r, inside in zip(results, in_buffer) if not inside)]
