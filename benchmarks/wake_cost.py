@@ -40,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     kd.init()
     rank, size = kd.rank(), kd.size()
-    transport = ops._one_call_for(context.get())[1]
+    transport = ops._one_call_transport(context.get())
     if transport is None or transport.engine is None:
         raise SystemExit("wake_cost.py needs the shm transport (every rank on one machine)")
     engine = transport.engine

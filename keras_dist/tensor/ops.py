@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from keras_dist import _vocab
+from keras_dist import _native, _vocab
 from keras_dist._runtime import context, timeline
 from keras_dist._vocab import Average, ReduceOp
 from keras_dist.errors import CollectiveMismatchError
@@ -340,123 +340,69 @@ def _allgather_array(array: np.ndarray, name: str, group=None) -> np.ndarray:
 
 # ---------------------------------------------------------------------------
 # One-call paths. A small C-contiguous numpy array, with no option set, on the
-# job's shm transport goes to the engine in one native call, which validates
-# it, names the call as the general path does (``_describe``: peers may take
-# either path) and returns a new array, or None for anything else; the
-# general path then runs and makes every check.
+# job's shm transport goes to the engine in one native call
+# (``_native.dispatch_*``), which finds the engine (the job's group, no
+# timeline recording), validates the array, names the call as the general
+# path does (``_describe``: peers may take either path), counts it and returns
+# a new array, or None for anything else; the general path then runs and makes
+# every check. The functions below only turn the engine's errors into
+# keras_dist's.
 
 _NO_COMPRESSION = Compression.none
-#: The one-call allreduce's index of each public op (the engine's ``allreduce_array``).
-_ONE_CALL_OPS = {None: 0, Average: 0, _vocab.Sum: 1, _vocab.Min: 2, _vocab.Max: 3,
-                 _vocab.Product: 4}
-#: (group, its shm transport when that serves one-call collectives, else None),
-#: looked up once per group. Each one-call function below is the whole Python
-#: of a small call: it reads this, the timeline's state and the transport's
-#: engine directly, and calls the engine.
-_one_call: tuple = (None, None)
 
 
-def _one_call_for(group) -> tuple:
-    """``_one_call`` for ``group`` (the job's group, or None before ``init``):
-    the shm transport under the job's join layer when the job is on one
-    machine, else None."""
-    global _one_call
+def _one_call_transport(group):
+    """The shm transport that serves ``group``'s one-call collectives: the
+    job's shm transport under its join layer when the job is on one machine,
+    else None."""
     transport = group.transport if group is not None else None
     inner = getattr(transport, "inner", None)
     if not (isinstance(transport, JoinableTransport) and isinstance(inner, ShmTransport)
             and inner.size == group.size):
-        inner = None
-    _one_call = (group, inner)
-    return _one_call
-
-
-def _one_call_engine():
-    """The shm engine that serves one-call collectives now (no timeline
-    recording: the general path records the call), else None."""
-    group, transport = _one_call
-    if group is not context._group:
-        group, transport = _one_call_for(context._group)
-    if transport is None or timeline._recorder is not None:
         return None
-    return transport.engine  # None once closed
+    return inner
 
 
-def _allreduce_one_call(x: np.ndarray, op, name) -> np.ndarray | None:
-    """``allreduce(x, op, name)`` of the job in one native call, or None."""
-    group, transport = _one_call  # _one_call_engine(), without a call in the common case
-    engine = (transport.engine if group is context._group and transport is not None
-              and timeline._recorder is None else _one_call_engine())
-    if engine is None:
-        return None
-    if op is _vocab.Sum:  # the common ops without hashing an Enum (0.1 us)
-        index = 1
-    elif op is None or op is Average:
-        index = 0
-    else:
-        try:
-            index = _ONE_CALL_OPS[op]
-        except (KeyError, TypeError):  # not an op: the general path says so
-            return None
-    try:
-        result = engine.allreduce_array(x, index, name)
-    except _NATIVE_ERRORS as native:
-        error = _translate(native)
-        if type(error) is not CollectiveMismatchError:
-            raise error from None
-        # Ranks may have joined: as the general path.
-        op = op or Average
-        described = _describe(f"{name or 'allreduce'} {op.value}", ((x.shape, x.dtype.str),), 1)
-        result = context._group.transport.allreduce_mismatched(
-            error, x.reshape(-1), _vocab.TRANSPORT_OPS[op], described).reshape(x.shape)
-        _vocab.finish_reduction(result, op, context._group.size, 1.0)
-    if result is not None:
-        COUNTERS["allreduce"] += 1
-    return result
+_native.dispatch_setup(vars(context), vars(timeline), _one_call_transport, COUNTERS,
+                       (Average, _vocab.Sum, _vocab.Min, _vocab.Max, _vocab.Product))
+_dispatch_allreduce = _native.dispatch_allreduce
+_dispatch_broadcast = _native.dispatch_broadcast
+_dispatch_allgather = _native.dispatch_allgather
 
 
-def _broadcast_one_call(x: np.ndarray, root_rank, name) -> np.ndarray | None:
-    """``broadcast(x, root_rank, name)`` of the job in one native call, or None."""
-    group, transport = _one_call  # _one_call_engine(), without a call in the common case
-    engine = (transport.engine if group is context._group and transport is not None
-              and timeline._recorder is None else _one_call_engine())
-    if engine is None:
-        return None
-    try:
-        result = engine.broadcast_array(x, root_rank, name)
-    except _NATIVE_ERRORS as native:
-        error = _translate(native)
-        if type(error) is CollectiveMismatchError:
-            context._group.transport.raise_mismatched(
-                error, "broadcast", x.reshape(-1).view(np.uint8),
-                _describe(name or "broadcast", ((x.shape, x.dtype.str),), 1), root_rank)
+def _allreduce_one_call_failed(native: BaseException, x: np.ndarray, op, name) -> np.ndarray:
+    """The one-call allreduce's engine error ``native`` raised as keras_dist's,
+    or, when ranks have joined, the result as the general path has it."""
+    error = _translate(native)
+    if type(error) is not CollectiveMismatchError:
         raise error from None
-    if result is not None:
-        COUNTERS["broadcast"] += 1
+    op = op or Average
+    described = _describe(f"{name or 'allreduce'} {op.value}", ((x.shape, x.dtype.str),), 1)
+    result = context._group.transport.allreduce_mismatched(
+        error, x.reshape(-1), _vocab.TRANSPORT_OPS[op], described).reshape(x.shape)
+    _vocab.finish_reduction(result, op, context._group.size, 1.0)
+    COUNTERS["allreduce"] += 1
     return result
 
 
-def _allgather_one_call(x: np.ndarray, name) -> np.ndarray | None:
-    """``allgather(x, name)`` of the job in one native call, or None."""
-    group, transport = _one_call  # _one_call_engine(), without a call in the common case
-    engine = (transport.engine if group is context._group and transport is not None
-              and timeline._recorder is None else _one_call_engine())
-    if engine is None:
-        return None
-    try:
-        result = engine.allgather_array(x, name)
-    except _NATIVE_ERRORS as native:
-        error = _translate(native)
-        if type(error) is CollectiveMismatchError:  # at the records' step, the first
-            context._group.transport.raise_mismatched(
-                error, "allgather", np.zeros(_GATHER_RECORD, np.uint8),
-                f"{name or 'allgather'} shapes")
-        raise error from None
-    if type(result) is bytes:
-        headers = np.frombuffer(result, np.int64).reshape(-1, _GATHER_HEADER)
-        raise _gather_mismatch(headers, x.dtype)
-    if result is not None:
-        COUNTERS["allgather"] += 1
-    return result
+def _broadcast_one_call_failed(native: BaseException, x: np.ndarray, root_rank, name):
+    """Raises the one-call broadcast's engine error ``native`` as keras_dist's."""
+    error = _translate(native)
+    if type(error) is CollectiveMismatchError:
+        context._group.transport.raise_mismatched(
+            error, "broadcast", x.reshape(-1).view(np.uint8),
+            _describe(name or "broadcast", ((x.shape, x.dtype.str),), 1), root_rank)
+    raise error from None
+
+
+def _allgather_one_call_failed(native: BaseException, name):
+    """Raises the one-call allgather's engine error ``native`` as keras_dist's."""
+    error = _translate(native)
+    if type(error) is CollectiveMismatchError:  # at the records' step, the first
+        context._group.transport.raise_mismatched(
+            error, "allgather", np.zeros(_GATHER_RECORD, np.uint8),
+            f"{name or 'allgather'} shapes")
+    raise error from None
 
 
 # ---------------------------------------------------------------------------
@@ -496,10 +442,12 @@ def allreduce(x, op: ReduceOp | None = None, name: str | None = None,
         CollectiveMismatchError: ranks passed different shapes or dtypes
             (also ``tf.errors.FailedPreconditionError`` for TF values).
     """
-    if (type(x) is np.ndarray and process_set is None and average is None
-            and compression is _NO_COMPRESSION
+    if (process_set is None and average is None and compression is _NO_COMPRESSION
             and prescale_factor == 1.0 and postscale_factor == 1.0):
-        result = _allreduce_one_call(x, op, name)
+        try:
+            result = _dispatch_allreduce(x, op, name)
+        except _NATIVE_ERRORS as native:
+            result = _allreduce_one_call_failed(native, x, op, name)
         if result is not None:
             return result
     return _allreduce(x, op, name, prescale_factor, postscale_factor, compression, average,
@@ -644,10 +592,16 @@ def allgather(x, name: str | None = None, process_set=None):
             the first dimension (also ``tf.errors.FailedPreconditionError``
             for TF values).
     """
-    if type(x) is np.ndarray and process_set is None:
-        result = _allgather_one_call(x, name)
-        if result is not None:
+    if process_set is None:
+        try:
+            result = _dispatch_allgather(x, name)
+        except _NATIVE_ERRORS as native:
+            _allgather_one_call_failed(native, name)
+        if type(result) is np.ndarray:
             return result
+        if result is not None:  # the ranks' headers: they disagree
+            headers = np.frombuffer(result, np.int64).reshape(-1, _GATHER_HEADER)
+            raise _gather_mismatch(headers, x.dtype)
     return _allgather(x, name, process_set)
 
 
@@ -667,8 +621,11 @@ def broadcast(x, root_rank: int, name: str | None = None, process_set=None):
 
     Shapes and dtypes must match; ``root_rank`` is a job rank (a member of the set).
     """
-    if type(x) is np.ndarray and process_set is None:
-        result = _broadcast_one_call(x, root_rank, name)
+    if process_set is None:
+        try:
+            result = _dispatch_broadcast(x, root_rank, name)
+        except _NATIVE_ERRORS as native:
+            _broadcast_one_call_failed(native, x, root_rank, name)
         if result is not None:
             return result
     return _broadcast(x, root_rank, name, process_set)

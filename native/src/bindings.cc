@@ -645,6 +645,143 @@ nb::object engine_allgather_array(kd::ShmEngine& engine, nb::handle x, nb::handl
   return out;
 }
 
+
+// ---- The public calls' dispatch ---------------------------------------------
+// kd.allreduce / kd.broadcast / kd.allgather call these first, whatever `x`
+// is. They serve a numpy.ndarray (exactly) when the job's group runs on the
+// shm engine and no timeline records, through the entries above, counting the
+// call in keras_dist.tensor.ops.COUNTERS; otherwise, or when the entry cannot
+// serve the call, they return None and the caller takes its general path.
+// Looking up the group, the timeline and the engine here, rather than in
+// Python, keeps a small call's Python to the public function's own frame.
+struct Dispatch {
+  PyObject* context = nullptr;   // keras_dist._runtime.context's namespace
+  PyObject* timeline = nullptr;  // keras_dist._runtime.timeline's namespace
+  PyObject* transport_for = nullptr;  // group -> its shm transport, or None
+  PyObject* counters = nullptr;  // keras_dist.tensor.ops.COUNTERS
+  PyObject* ops[kNumPublicOps] = {};  // Average, Sum, Min, Max, Product
+  PyObject* group = nullptr;  // the group `transport` belongs to (a strong reference)
+  PyObject* transport = nullptr;  // its shm transport, or None (strong)
+  PyObject* key_group = nullptr;
+  PyObject* key_recorder = nullptr;
+  PyObject* key_engine = nullptr;
+  PyObject* key_allreduce = nullptr;
+  PyObject* key_broadcast = nullptr;
+  PyObject* key_allgather = nullptr;
+
+  // The engine to serve the job's calls now, or an invalid object.
+  nb::object engine() {
+    if (!context) return {};
+    PyObject* group_now = PyDict_GetItemWithError(context, key_group);  // borrowed
+    if (!group_now) {
+      if (PyErr_Occurred()) throw nb::python_error();
+      return {};
+    }
+    if (group_now != group) {
+      PyObject* found = PyObject_CallOneArg(transport_for, group_now);
+      if (!found) throw nb::python_error();
+      Py_XSETREF(transport, found);
+      Py_INCREF(group_now);
+      Py_XSETREF(group, group_now);
+    }
+    if (transport == Py_None) return {};
+    PyObject* recorder = PyDict_GetItemWithError(timeline, key_recorder);
+    if (recorder != Py_None) {
+      if (!recorder && PyErr_Occurred()) throw nb::python_error();
+      return {};  // recording: the general path records the call
+    }
+    nb::object engine = nb::steal(PyObject_GetAttr(transport, key_engine));
+    if (!engine.is_valid()) throw nb::python_error();
+    if (!nb::isinstance<kd::ShmEngine>(engine)) return {};  // None once closed
+    return engine;
+  }
+
+  // Adds 1 to counters[key] (key: an interned str).
+  void count(PyObject* key) {
+    PyObject* now = PyDict_GetItemWithError(counters, key);  // borrowed
+    if (!now) {
+      if (PyErr_Occurred()) throw nb::python_error();
+      return;
+    }
+    const long value = PyLong_AsLong(now);
+    if (value == -1 && PyErr_Occurred()) throw nb::python_error();
+    nb::object more = nb::steal(PyLong_FromLong(value + 1));
+    if (!more.is_valid() || PyDict_SetItem(counters, key, more.ptr()) != 0) {
+      throw nb::python_error();
+    }
+  }
+};
+
+// Used with the GIL held only; never destroyed (it holds references).
+Dispatch& dispatch() {
+  static Dispatch* d = new Dispatch();
+  return *d;
+}
+
+void dispatch_setup(nb::dict context, nb::dict timeline, nb::callable transport_for,
+                    nb::dict counters, nb::tuple ops) {
+  if (ops.size() != size_t(kNumPublicOps)) {
+    throw std::invalid_argument("dispatch_setup: `ops` must hold the 5 public ops");
+  }
+  Dispatch& d = dispatch();
+  auto keep = [](PyObject*& slot, nb::handle value) {
+    Py_XINCREF(value.ptr());
+    Py_XSETREF(slot, value.ptr());
+  };
+  keep(d.context, context);
+  keep(d.timeline, timeline);
+  keep(d.transport_for, transport_for);
+  keep(d.counters, counters);
+  for (int i = 0; i < kNumPublicOps; ++i) keep(d.ops[i], ops[size_t(i)]);
+  Py_CLEAR(d.group);
+  Py_CLEAR(d.transport);
+  if (!d.key_group) {
+    d.key_group = PyUnicode_InternFromString("_group");
+    d.key_recorder = PyUnicode_InternFromString("_recorder");
+    d.key_engine = PyUnicode_InternFromString("engine");
+    d.key_allreduce = PyUnicode_InternFromString("allreduce");
+    d.key_broadcast = PyUnicode_InternFromString("broadcast");
+    d.key_allgather = PyUnicode_InternFromString("allgather");
+  }
+}
+
+bool is_plain_array(nb::handle x) { return Py_TYPE(x.ptr()) == &PyArray_Type; }
+
+nb::object dispatch_allreduce(nb::handle x, nb::handle op, nb::handle label) {
+  if (!is_plain_array(x)) return nb::none();
+  Dispatch& d = dispatch();
+  int index = op.is_none() ? 0 : -1;
+  for (int i = 0; i < kNumPublicOps && index < 0; ++i) {
+    if (op.ptr() == d.ops[i]) index = i;
+  }
+  if (index < 0) return nb::none();  // another op, or not an op: the general path
+  nb::object engine = d.engine();
+  if (!engine.is_valid()) return nb::none();
+  nb::object out = engine_allreduce_array(*nb::inst_ptr<kd::ShmEngine>(engine), x, index, label);
+  if (!out.is_none()) d.count(d.key_allreduce);
+  return out;
+}
+
+nb::object dispatch_broadcast(nb::handle x, nb::handle root, nb::handle label) {
+  if (!is_plain_array(x)) return nb::none();
+  Dispatch& d = dispatch();
+  nb::object engine = d.engine();
+  if (!engine.is_valid()) return nb::none();
+  nb::object out = engine_broadcast_array(*nb::inst_ptr<kd::ShmEngine>(engine), x, root, label);
+  if (!out.is_none()) d.count(d.key_broadcast);
+  return out;
+}
+
+nb::object dispatch_allgather(nb::handle x, nb::handle label) {
+  if (!is_plain_array(x)) return nb::none();
+  Dispatch& d = dispatch();
+  nb::object engine = d.engine();
+  if (!engine.is_valid()) return nb::none();
+  nb::object out = engine_allgather_array(*nb::inst_ptr<kd::ShmEngine>(engine), x, label);
+  if (PyArray_Check(out.ptr())) d.count(d.key_allgather);
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -673,6 +810,21 @@ NB_MODULE(_native, m) {
   timings["poll_sleep_seconds"] = kd::kPollSleepSeconds;
   timings["liveness_seconds"] = kd::kLivenessSeconds;
   m.attr("WAIT_TIMINGS") = timings;
+
+  m.def("dispatch_setup", &dispatch_setup, nb::arg("context"), nb::arg("timeline"),
+        nb::arg("transport_for"), nb::arg("counters"), nb::arg("ops"),
+        "Once, at keras_dist.tensor.ops' import: the namespaces of the context and "
+        "timeline modules, transport_for(group) (its shm transport or None), COUNTERS and "
+        "(Average, Sum, Min, Max, Product).");
+  m.def("dispatch_allreduce", &dispatch_allreduce, nb::arg("x").none(), nb::arg("op").none(),
+        nb::arg("name").none(),
+        "kd.allreduce(x, op, name) of a small numpy array through the job's shm engine, "
+        "or None where the caller takes its general path.");
+  m.def("dispatch_broadcast", &dispatch_broadcast, nb::arg("x").none(), nb::arg("root").none(),
+        nb::arg("name").none(), "kd.broadcast's counterpart of dispatch_allreduce.");
+  m.def("dispatch_allgather", &dispatch_allgather, nb::arg("x").none(), nb::arg("name").none(),
+        "kd.allgather's counterpart of dispatch_allreduce (bytes: the ranks' headers "
+        "when they disagree).");
 
   nb::exception<kd::MismatchError>(m, "CollectiveMismatchError");
   nb::exception<kd::PeerFailureError>(m, "PeerFailureError");

@@ -358,6 +358,27 @@ def test_one_call_broadcast_and_allgather():
         assert np.array_equal(result, values[0]), f"broadcast {np.dtype(dtype).name}, TF odd"
 
 
+class _Subclass(np.ndarray):
+    """An ndarray subclass: the one-call entries leave it to the general path."""
+
+
+def test_one_call_counts_each_call_and_leaves_subclasses_to_the_general_path():
+    from keras_dist.tensor.ops import COUNTERS
+
+    inputs = [contribution(9930, r, 6, np.float32, kd.Sum).reshape(2, 3) for r in range(SIZE)]
+    for mine in (inputs[RANK], inputs[RANK].view(_Subclass)):
+        before = dict(COUNTERS)
+        total = kd.allreduce(mine, op=kd.Sum)
+        root = kd.broadcast(mine, root_rank=0)
+        gathered = kd.allgather(mine)
+        counted = {k: COUNTERS[k] - before[k] for k in ("allreduce", "broadcast", "allgather")}
+        assert np.array_equal(np.asarray(total), exact_reference(kd.Sum, inputs)), total
+        assert np.array_equal(np.asarray(root), inputs[0]), root
+        assert np.array_equal(np.asarray(gathered), np.concatenate(inputs)), gathered
+        if SIZE > 1:  # one transport call each, on either path
+            assert counted == {"allreduce": 1, "broadcast": 1, "allgather": 1}, counted
+
+
 def test_one_call_mismatch_raises_on_every_rank():
     if SIZE == 1:
         return
