@@ -537,8 +537,7 @@ nb::object engine_broadcast_array(kd::ShmEngine& engine, nb::handle x, nb::handl
   void* result = PyArray_DATA(reinterpret_cast<PyArrayObject*>(out.ptr()));
   {
     nb::gil_scoped_release release;
-    if (root_rank == engine.local_rank()) std::memcpy(result, in.data(), in.nbytes());
-    engine.broadcast(result, in.nbytes(), int(root_rank), name);
+    engine.broadcast(result, in.nbytes(), int(root_rank), name, in.data());
   }
   return out;
 }

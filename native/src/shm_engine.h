@@ -96,7 +96,10 @@ class ShmEngine {
   // `send` (optional, nbytes like `buf`) makes the allreduce out of place.
   void allreduce(void* buf, size_t nbytes, DType dtype, Op op, std::string_view name = {},
                  const void* send = nullptr);
-  void broadcast(void* buf, size_t nbytes, int root, std::string_view name = {});
+  // `send` (optional, the root's): the root broadcasts `send` and copies it
+  // into its `buf` while the others copy it out.
+  void broadcast(void* buf, size_t nbytes, int root, std::string_view name = {},
+                 const void* send = nullptr);
   // `prefixed`: each rank's `send` is a record whose first uint64 is the
   // number of its bytes that matter (that word included); only those are
   // copied, in and out (the rest of each place in `recv` is left as it was).
