@@ -109,7 +109,12 @@ def aligned_like(arrays: Sequence[np.ndarray]) -> AlignedViews:
     """Uninitialised arrays shaped like ``arrays``, views of one new buffer,
     each starting on an ``ALIGN_BYTES`` boundary: one allocation for a whole
     group of outputs, which TensorFlow adopts without copying."""
-    offsets, total = aligned_offsets([array.nbytes for array in arrays])
+    return aligned_views(arrays, *aligned_offsets([array.nbytes for array in arrays]))
+
+
+def aligned_views(arrays: Sequence[np.ndarray], offsets: Sequence[int],
+                  total: int) -> AlignedViews:
+    """``aligned_like(arrays)`` given ``aligned_offsets`` of their sizes."""
     raw = outputs.POOL.empty((total + ALIGN_BYTES,), _BYTE, min_bytes=GROUP_POOL_MIN_BYTES)
     start = -raw.ctypes.data % ALIGN_BYTES
     views = AlignedViews(np.ndarray(array.shape, array.dtype, raw, start + offset)

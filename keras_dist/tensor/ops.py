@@ -151,34 +151,63 @@ def _describe(prefix: str, members: tuple, group_length: int) -> str:
     return f"{prefix} [{len(members)} of {group_length} tensors: {shapes}]"
 
 
+#: Recent grouped allreduces' plans by (name, op, fusion threshold, every
+#: array's shape and dtype): a training step makes the same call every step.
+#: A plan: the buckets (indices, dtype, the name peers check), where each
+#: result starts in the aligned region of results and the region's size
+#: (``fusion.aligned_offsets``), and the arrays' bytes.
+_PLANS: dict[tuple, tuple] = {}
+_MAX_PLANS = 64
+
+
+def _allreduce_plan(arrays: list[np.ndarray], op: ReduceOp, name: str,
+                    threshold: int) -> tuple:
+    """``arrays``' plan (``_PLANS``), made and checked the first time."""
+    key = (name, op, threshold, *[(a.shape, a.dtype) for a in arrays])
+    plan = _PLANS.get(key)
+    if plan is None:
+        _check_allreduce_inputs([a.dtype for a in arrays])
+        prefix = f"{name} {op.value}"
+        buckets = [(bucket, arrays[bucket[0]].dtype,
+                    _describe(prefix, tuple((arrays[i].shape, arrays[i].dtype.str)
+                                            for i in bucket), len(arrays)))
+                   for bucket in fusion.plan_buckets(arrays, threshold)]
+        nbytes = [a.nbytes for a in arrays]
+        plan = (buckets, *fusion.aligned_offsets(nbytes), sum(nbytes))
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
 def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
                       postscale: float, name: str, group=None,
                       labels: list[str] | None = None) -> list[np.ndarray]:
     group = group or context.get()
-    _check_allreduce_inputs([a.dtype for a in arrays])
     if group.size == 1:
+        _check_allreduce_inputs([a.dtype for a in arrays])
         if prescale == 1.0 and postscale == 1.0:
             return arrays
         return [_allreduce_numpy(a, op, prescale, postscale, name, group) for a in arrays]
     transport = group.transport
     code = _vocab.TRANSPORT_OPS[op]
-    buckets = fusion.plan_buckets(arrays, group.config.fusion_threshold_bytes)
+    buckets, offsets, total, nbytes = _allreduce_plan(arrays, op, name,
+                                                      group.config.fusion_threshold_bytes)
     # Every result is a view of one aligned buffer, in the order of `arrays`:
     # one allocation, and no copy when a traced TensorFlow step takes them
     # (as that buffer, `conversions`) from tf.numpy_function.
-    outputs = fusion.aligned_like(arrays)
+    outputs = fusion.aligned_views(arrays, offsets, total)
     # The shm transport reduces a bucket from the arrays straight into the
     # results, without a fused buffer, when nothing is scaled but an Average.
     reduce_parts = prescale == 1.0 and postscale == 1.0 and callable(
         getattr(transport, "allreduce_parts", None))
-    with timeline.activity(name, "allreduce", sum(a.nbytes for a in arrays), transport,
-                           labels):
-        for bucket in buckets:
-            members = [arrays[i] for i in bucket]
-            results = [outputs[i] for i in bucket]
-            dtype = members[0].dtype
-            described = _describe(f"{name} {op.value}",
-                                  tuple((a.shape, a.dtype.str) for a in members), len(arrays))
+    with timeline.activity(name, "allreduce", nbytes, transport, labels):
+        for bucket, dtype, described in buckets:
+            if len(bucket) == len(arrays):  # one bucket: every array
+                members, results = arrays, outputs
+            else:
+                members = [arrays[i] for i in bucket]
+                results = [outputs[i] for i in bucket]
             if reduce_parts and _allreduce_parts(transport, members, results, op, described,
                                                  group.size):
                 COUNTERS["allreduce"] += 1
