@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from keras_dist import _native
 from keras_dist.tensor import outputs
 
 
@@ -116,8 +117,7 @@ def aligned_views(arrays: Sequence[np.ndarray], offsets: Sequence[int],
                   total: int) -> AlignedViews:
     """``aligned_like(arrays)`` given ``aligned_offsets`` of their sizes."""
     raw = outputs.POOL.empty((total + ALIGN_BYTES,), _BYTE, min_bytes=GROUP_POOL_MIN_BYTES)
-    start = -raw.ctypes.data % ALIGN_BYTES
-    views = AlignedViews(np.ndarray(array.shape, array.dtype, raw, start + offset)
-                         for offset, array in zip(offsets, arrays))
+    views = AlignedViews()
+    start = _native.fill_views(views, raw, ALIGN_BYTES, offsets, arrays)
     views.region = raw[start : start + total]
     return views

@@ -292,3 +292,30 @@ def test_array_calls_decline_what_the_general_path_must_serve(one_rank_engine):
         assert call() is None, what
     # Still in step afterwards.
     assert np.array_equal(engine.allreduce_array(f32, 1, None), f32)
+
+
+def test_fill_views_checks_its_arguments():
+    from keras_dist import _native
+
+    raw = np.zeros(256, np.uint8)
+    views: list = []
+    start = _native.fill_views(views, raw, 64, [0, 64], [np.ones(3, np.float32), np.int64(5)])
+    assert start == -raw.ctypes.data % 64
+    assert [(v.shape, v.dtype) for v in views] == [((3,), np.float32), ((), np.int64)]
+    assert views[1].ctypes.data == raw.ctypes.data + start + 64
+    views[0][:] = 2.0  # writes raw's bytes
+    assert np.array_equal(raw[start:start + 12].view(np.float32), [2.0, 2.0, 2.0])
+    bad = {
+        "not an array": lambda: _native.fill_views([], b"x" * 256, 64, [0], [raw]),
+        "read-only": lambda: _native.fill_views([], np.frombuffer(b"x" * 256, np.uint8), 64,
+                                                [0], [raw[:4]]),
+        "align 3": lambda: _native.fill_views([], raw, 3, [0], [raw[:4]]),
+        "past the end": lambda: _native.fill_views([], raw, 64, [192], [np.ones(64)]),
+        "negative offset": lambda: _native.fill_views([], raw, 64, [-8], [raw[:4]]),
+        "offsets and templates differ": lambda: _native.fill_views([], raw, 64, [0, 8], [raw]),
+        "not an array template": lambda: _native.fill_views([], raw, 64, [0], [[1.0]]),
+    }
+    for what, call in bad.items():
+        with pytest.raises((ValueError, TypeError)) as info:
+            call()
+        assert "fill_views" in str(info.value) or "incompatible" in str(info.value), what
