@@ -172,12 +172,12 @@ class ShmTransport(Transport):
         if code is None:
             code = self._codes[dtype.num] = _vocab.dtype_code(dtype)
         # C-contiguous numpy arrays of any shape, bfloat16 included, go as they
-        # are; a numpy scalar (what tf.numpy_function hands over for a 0-d
-        # tensor) as a 0-d array.
-        srcs = [a if type(a) is np.ndarray else np.asarray(a) for a in srcs]
+        # are, and numpy scalars (what tf.numpy_function hands over for a 0-d
+        # tensor) as 0-d arrays; lists (subclasses too) without a copy.
         try:
-            return self._open_engine().allreduce_parts(srcs, list(dsts), code, op, average,
-                                                       name)
+            return self._open_engine().allreduce_parts(
+                srcs if isinstance(srcs, list) else list(srcs),
+                dsts if isinstance(dsts, list) else list(dsts), code, op, average, name)
         except NATIVE_ERRORS as exc:
             raise translate(exc) from None
 

@@ -240,8 +240,14 @@ bool engine_allreduce_parts(kd::ShmEngine& engine, nb::list srcs, nb::list dsts,
   parts.reserve(srcs.size());
   // A C-contiguous numpy array of the element size (or of bytes), of any
   // shape, is read through numpy's C API; other buffers (1-D) as ByteBuffer.
+  std::vector<nb::object> scalars;  // 0-d arrays of numpy scalars among `srcs`
   auto run_of = [&](nb::handle obj, bool writable, const char* side, size_t i) {
     PyObject* o = obj.ptr();
+    if (!writable && PyArray_IsScalar(o, Generic)) {  // tf.numpy_function's 0-d inputs
+      scalars.push_back(nb::steal(PyArray_FromScalar(o, nullptr)));
+      if (!scalars.back().is_valid()) throw nb::python_error();
+      o = scalars.back().ptr();
+    }
     if (PyArray_Check(o)) {
       auto* a = reinterpret_cast<PyArrayObject*>(o);
       const size_t item = size_t(PyArray_ITEMSIZE(a));
