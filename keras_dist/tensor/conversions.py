@@ -609,7 +609,7 @@ def _from_buffer(wire: list, layout: tuple, dtypes: list, shapes: list) -> list:
     for offset, size, inside, dtype, shape in zip(offsets, nbytes, in_buffer, dtypes, shapes):
         if inside:
             piece = tf.slice(typed[dtype], [offset // dtype.size], [size // dtype.size])
-            outputs.append(tf.reshape(piece, shape))
+            outputs.append(piece if shape.rank == 1 else tf.reshape(piece, shape))
         else:
             outputs.append(next(others))
     return outputs
