@@ -751,11 +751,11 @@ struct Dispatch {
       return {};
     }
     if (group_now != group) {
-      PyObject* found = PyObject_CallOneArg(transport_for, group_now);
+      nb::object held = nb::borrow(group_now);  // alive through the Python call
+      PyObject* found = PyObject_CallOneArg(transport_for, held.ptr());
       if (!found) throw nb::python_error();
       Py_XSETREF(transport, found);
-      Py_INCREF(group_now);
-      Py_XSETREF(group, group_now);
+      Py_XSETREF(group, held.release().ptr());
     }
     if (transport == Py_None) return {};
     PyObject* recorder = PyDict_GetItemWithError(timeline, key_recorder);
