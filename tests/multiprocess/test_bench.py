@@ -60,9 +60,10 @@ def test_bench_runs_checked_side_by_side(transport, collective, dtype, op):
 
 
 @pytest.mark.timeout(200)
-def test_host_call_outputs_benchmark_runs_and_checks_weights():
-    # benchmarks/host_call_outputs.py: both keras_dist models end equal on every rank.
-    result = run_job([sys.executable, "benchmarks/host_call_outputs.py", "--model", "mlp",
+@pytest.mark.parametrize("script", ["host_call_outputs.py", "overlap_probe.py"])
+def test_training_comparison_benchmark_runs_and_checks_weights(script):
+    # Every keras_dist model of the script ends equal on every rank.
+    result = run_job([sys.executable, f"benchmarks/{script}", "--model", "mlp",
                       "--steps", "2", "--reps", "2"], np=2, timeout=150,
                      env={"OMP_NUM_THREADS": "1"})
     result.check()
