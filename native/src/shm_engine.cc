@@ -83,6 +83,9 @@ constexpr size_t kChunkBytes = 512u << 10;
 // Piece of a peer's share read at a time on the single-copy path: the pieces
 // of all peers stay in this core's cache until they are reduced.
 constexpr size_t kPieceBytes = 256u << 10;
+// allreduce_parts reduces, averages and copies out its share in pieces this
+// size (whole elements of every dtype), each while it is still in L1.
+constexpr size_t kL1PieceBytes = 8u << 10;
 // Smallest allgather (total bytes) that reads peers' buffers directly: one
 // system call per peer against two copies through the slots.
 constexpr size_t kAllgatherSingleCopyBytes = 16u << 10;
@@ -999,27 +1002,34 @@ bool ShmEngine::allreduce_parts(const std::vector<Part>& parts, DType dtype, Op 
   wait_all();
   check_headers();
   // Step 2: this rank's share, from the peers' slots and its own sources, in
-  // rank order as every path reduces.
+  // rank order as every path reduces; a piece at a time while it is in L1:
+  // reduced into the slot, averaged there, then copied into this rank's own
+  // destination (so step 3 copies only the peers' shares).
   at = 0;
   for (const Part& part : parts) {
     const size_t end = at + part.nbytes;
     const size_t a = std::max(at, lo), b = std::min(end, hi);
-    if (b > a) {
-      for (int p = 0; p < n_; ++p) srcs_[size_t(p)] = data(p, next_buf_) + a;
-      srcs_[size_t(me_)] = static_cast<const uint8_t*>(part.src) + (a - at);
-      reduce_many(mine + a, srcs_.data(), size_t(n_), (b - a) / esize, dtype, op);
+    const auto* src = static_cast<const uint8_t*>(part.src);
+    auto* dst = static_cast<uint8_t*>(part.dst);
+    for (size_t x = a; x < b; x += kL1PieceBytes) {
+      const size_t y = std::min(b, x + kL1PieceBytes);
+      for (int p = 0; p < n_; ++p) srcs_[size_t(p)] = data(p, next_buf_) + x;
+      srcs_[size_t(me_)] = src + (x - at);
+      reduce_many(mine + x, srcs_.data(), size_t(n_), (y - x) / esize, dtype, op);
+      if (average) average_inplace(mine + x, (y - x) / esize, dtype, n_);
+      std::memcpy(dst + (x - at), mine + x, y - x);
     }
     at = end;
   }
-  if (average && hi > lo) average_inplace(mine + lo, (hi - lo) / esize, dtype, n_);
   publish();
   wait_all();
-  // Step 3: every rank's reduced share into the destinations.
+  // Step 3: the peers' reduced shares into the destinations.
   at = 0;
   for (const Part& part : parts) {
     auto* dst = static_cast<uint8_t*>(part.dst);
     const size_t end = at + part.nbytes;
     for (int p = 0; p < n_; ++p) {
+      if (p == me_) continue;
       const size_t a = std::max(at, share_lo(p)), b = std::min(end, share_hi(p));
       if (b > a) std::memcpy(dst + (a - at), data(p, next_buf_) + a, b - a);
     }
