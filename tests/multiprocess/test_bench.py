@@ -72,3 +72,22 @@ def test_training_comparison_benchmark_runs_and_checks_weights(script):
     rows = _rows(out)
     assert [row[0] for row in rows] == ["0", "1"], result.describe()
     assert all(float(value) > 0 for row in rows for value in row[1:4]), result.describe()
+
+
+@pytest.mark.timeout(200)
+def test_parts_floor_benchmark_checks_results_and_removes_its_segment():
+    import glob
+
+    before = set(glob.glob("/dev/shm/psm_*"))
+    result = run_job([sys.executable, "benchmarks/parts_floor.py", "--model", "cnn",
+                      "--calls", "2", "--reps", "1", "--flush-mb", "1"], np=2, timeout=150,
+                     env={"OMP_NUM_THREADS": "1"})
+    result.check()
+    out = result.rank_stdout.get(0, "")
+    assert "#wrong 0" in out, result.describe()
+    rows = {line[:30].strip(): line[30:].split() for line in out.splitlines()
+            if line.startswith("  ")}
+    assert set(rows) == {"allreduce_parts", "read from a peer (floor)",
+                         "local copy of the message", "allreduce_parts / floor"}, out
+    assert all(float(v) > 0 for values in rows.values() for v in values), out
+    assert set(glob.glob("/dev/shm/psm_*")) <= before, "parts_floor.py left its segment"
