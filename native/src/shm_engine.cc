@@ -86,6 +86,9 @@ constexpr size_t kPieceBytes = 256u << 10;
 // allreduce_parts reduces, averages and copies out its share in pieces this
 // size (whole elements of every dtype), each while it is still in L1.
 constexpr size_t kL1PieceBytes = 8u << 10;
+// Bytes at the start of each peer's current buffer that a finished wait
+// prefetches (a small collective's whole message).
+constexpr size_t kPrefetchBytes = 256;
 // Smallest allgather (total bytes) that reads peers' buffers directly: one
 // system call per peer against two copies through the slots.
 constexpr size_t kAllgatherSingleCopyBytes = 16u << 10;
@@ -194,7 +197,10 @@ struct ShmEngine::Probe {
 
 struct ShmEngine::RankCtl {
   alignas(kLine) std::atomic<uint64_t> step;
-  std::atomic<uint32_t> left;  // 1 once the rank has left the group (leave())
+  // 1 once the rank has left the group (leave()). Its own line: every
+  // collective reads it first, and the line of `step`, which the rank
+  // rewrites at every step, would be a cache miss each time.
+  alignas(kLine) std::atomic<uint32_t> left;
   alignas(kLine) Header hdr[2];
   alignas(kLine) Probe probe;
 };
@@ -541,6 +547,14 @@ void ShmEngine::wait_all() {
   // The phases and their durations: wait_timings.h. Spin first, reading the
   // clock every 64 polls only. Every way out adds the time waited to
   // wait_seconds_.
+  // Whichever way out, ask for the peers' lines that come next (this
+  // collective's headers, the start of their buffers) all at once, so that
+  // their cache misses overlap instead of following one another.
+  struct Prefetch {
+    const ShmEngine& e;
+    ~Prefetch() { e.prefetch_peers(); }
+  } prefetch{*this};
+  if (all_arrived()) return;  // no wait, and no clock read
   const double start = now_seconds();
   struct AddWait {
     double& total;
@@ -631,6 +645,16 @@ void ShmEngine::wait_all() {
   } catch (const std::exception& e) {
     if (!broken_) fail(e.what());
     throw;
+  }
+}
+
+void ShmEngine::prefetch_peers() const {
+  const int which = int((coll_ - 1) & 1);
+  for (int p = 0; p < n_; ++p) {
+    if (p == me_) continue;
+    __builtin_prefetch(&ctl(p)->hdr[which], 0, 3);
+    const uint8_t* d = data(p, next_buf_);
+    for (size_t off = 0; off < kPrefetchBytes; off += kLine) __builtin_prefetch(d + off, 0, 3);
   }
 }
 

@@ -192,6 +192,7 @@ class ShmEngine {
   std::string current_collective() const;
 
   RankCtl* ctl(int rank) const;
+  void prefetch_peers() const;
   uint8_t* data(int rank, int which) const;
   void reduce_small(void* buf, const void* send, size_t nbytes, DType dtype, Op op);
   void reduce_chunked(uint8_t* buf, const uint8_t* send, size_t nbytes, DType dtype, Op op,
