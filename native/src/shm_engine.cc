@@ -1231,12 +1231,16 @@ void ShmEngine::allgatherv(const void* send, size_t send_bytes, void* recv,
     const size_t mine = send_bytes > off ? std::min(chunk_bytes, send_bytes - off) : 0;
     if (mine) std::memcpy(data(me_, next_buf_), src + off, mine);
     publish();
+    // This rank's own part, while the peers copy theirs in.
+    uint8_t* own = out + displ[size_t(me_)] + off;
+    if (mine && own != src + off) std::memcpy(own, src + off, mine);
     wait_all();
     if (first) {
       check_headers();
       first = false;
     }
     for (int p = 0; p < n_; ++p) {
+      if (p == me_) continue;
       const size_t count = counts_bytes[size_t(p)];
       const size_t cb = count > off ? std::min(chunk_bytes, count - off) : 0;
       if (cb) std::memcpy(out + displ[size_t(p)] + off, data(p, next_buf_), cb);

@@ -142,6 +142,12 @@ def mode_correctness(args):
         recv = np.empty(sum(counts), np.int64)
         transport.allgatherv(parts[RANK], recv, counts)
         assert np.array_equal(recv, np.concatenate(parts)), f"allgatherv {counts}"
+        # In place: this rank's part already sits at its place in `recv`.
+        recv = np.full(sum(counts), -1, np.int64)
+        at = sum(counts[:RANK])
+        recv[at:at + counts[RANK]] = parts[RANK]
+        transport.allgatherv(recv[at:at + counts[RANK]], recv, counts)
+        assert np.array_equal(recv, np.concatenate(parts)), f"allgatherv in place {counts}"
     # Records: only each rank's used bytes (its first word says how many) are
     # copied; the rest of its place in `recv` is left as it was.
     for capacity in (8, 4192):
