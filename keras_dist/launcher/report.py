@@ -189,6 +189,14 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
+def _silent_line(silent: dict[str | None, list[int]]) -> str:
+    """kdrun's line for ranks, by host, that ended without an exit record."""
+    where = ", ".join(f"{', '.join(map(str, ranks))}" + (f" (on {host})" if host else "")
+                      for host, ranks in silent.items())
+    return (f"kdrun: rank{'s' if sum(map(len, silent.values())) > 1 else ''} {where} ended "
+            "without an exit record: stopped by the process manager, or their host was lost.")
+
+
 def describe_failure(reports: dict[int, RankReport], num_proc: int, returncode: int) -> list[str]:
     """kdrun's lines explaining a failed job: the rank that failed first, then the rest.
 
@@ -207,12 +215,7 @@ def describe_failure(reports: dict[int, RankReport], num_proc: int, returncode: 
             if report.exit is None:
                 silent.setdefault(report.host, []).append(rank)
         if silent:
-            where = ", ".join(
-                f"{', '.join(map(str, ranks))}" + (f" (on {host})" if host else "")
-                for host, ranks in silent.items())
-            lines.append(f"kdrun: rank{'s' if sum(map(len, silent.values())) > 1 else ''} "
-                         f"{where} ended without an exit record: stopped by the process "
-                         "manager, or their host was lost.")
+            lines.append(_silent_line(silent))
         return lines
     lines = []
     report = reports.get(first, RankReport(first))
@@ -224,18 +227,32 @@ def describe_failure(reports: dict[int, RankReport], num_proc: int, returncode: 
                             if item is not None and item.consequence_of is not None])
         lines.append(f"kdrun: {report.where()} failed first: it ended before it could "
                      f"record how; rank {witness.rank} reported its failure")
+    # A host none of whose ranks left a record of how it ended (not the first
+    # failed rank's): stopped by the process manager, or the host was lost,
+    # which may be what made the named rank fail. Said apart from the rest.
+    hosts: dict[str | None, list[int]] = {}
+    for rank in range(num_proc):
+        hosts.setdefault(reports.get(rank, RankReport(rank)).host, []).append(rank)
+    silent = {host: ranks for host, ranks in hosts.items()
+              if host is not None and host != report.host
+              and all(reports.get(r, RankReport(r)).exit is None
+                      and reports.get(r, RankReport(r)).error is None for r in ranks)}
     stopped = []
     for rank in range(num_proc):
         if rank == first:
             continue
-        report = reports.get(rank, RankReport(rank))
-        found = failure(report)
+        other = reports.get(rank, RankReport(rank))
+        found = failure(other)
         if found is not None and not found.stopped:
             cause = (f" (after rank {found.consequence_of} failed)"
                      if found.consequence_of is not None else "")
-            lines.append(f"kdrun: {report.where()} then {found.what}{cause}")
-        elif report.exit is None or found is not None:
+            lines.append(f"kdrun: {other.where()} then {found.what}{cause}")
+        elif other.host in silent:
+            continue
+        elif other.exit is None or found is not None:
             stopped.append(rank)
+    if silent:
+        lines.append(_silent_line(silent))
     if stopped:
         lines.append(f"kdrun: {_ranks(stopped)} stopped when the job ended.")
     return lines

@@ -142,6 +142,25 @@ def test_describe_lists_every_other_rank_once():
     ]
 
 
+def test_describe_names_a_silent_host_apart_from_the_ranks_stopped():
+    # Host b was lost: nothing there recorded an end, while rank 0 on host a
+    # crashed (its MPI connection to b gone) and rank 1 was stopped.
+    reports = _reports(_started(0, "a"), _started(1, "a"), _started(2, "b"), _started(3, "b"),
+                       _exit(0, 1.0, host="a", signal="SIGSEGV"))
+    assert report.describe_failure(reports, 4, 255) == [
+        "kdrun: rank 0 (pid 100 on a) failed first: killed by SIGSEGV",
+        "kdrun: ranks 2, 3 (on b) ended without an exit record: stopped by the process "
+        "manager, or their host was lost.",
+        "kdrun: rank 1 stopped when the job ended."]
+    # A host with one rank that recorded its end is not silent.
+    reports = _reports(_started(0, "a"), _started(1, "b"), _started(2, "b"),
+                       _exit(0, 1.0, host="a", signal="SIGSEGV"),
+                       _exit(2, 2.0, host="b", signal="SIGTERM", stopped_by="SIGTERM"))
+    assert report.describe_failure(reports, 3, 255) == [
+        "kdrun: rank 0 (pid 100 on a) failed first: killed by SIGSEGV",
+        "kdrun: ranks 1, 2 stopped when the job ended."]
+
+
 def test_describe_without_any_failure_recorded():
     assert report.describe_failure(_reports(_started(0)), 2, 7) == [
         "kdrun: the job failed (mpiexec exit code 7) and no rank recorded a failure.",
