@@ -230,18 +230,17 @@ def describe_failure(reports: dict[int, RankReport], num_proc: int, returncode: 
     # A host none of whose ranks left a record of how it ended (not the first
     # failed rank's): stopped by the process manager, or the host was lost,
     # which may be what made the named rank fail. Said apart from the rest.
-    hosts: dict[str | None, list[int]] = {}
-    for rank in range(num_proc):
-        hosts.setdefault(reports.get(rank, RankReport(rank)).host, []).append(rank)
-    silent = {host: ranks for host, ranks in hosts.items()
+    everyone = [reports.get(rank, RankReport(rank)) for rank in range(num_proc)]
+    hosts: dict[str | None, list[RankReport]] = {}
+    for other in everyone:
+        hosts.setdefault(other.host, []).append(other)
+    silent = {host: [other.rank for other in others] for host, others in hosts.items()
               if host is not None and host != report.host
-              and all(reports.get(r, RankReport(r)).exit is None
-                      and reports.get(r, RankReport(r)).error is None for r in ranks)}
+              and all(other.exit is None and other.error is None for other in others)}
     stopped = []
-    for rank in range(num_proc):
-        if rank == first:
+    for other in everyone:
+        if other.rank == first:
             continue
-        other = reports.get(rank, RankReport(rank))
         found = failure(other)
         if found is not None and not found.stopped:
             cause = (f" (after rank {found.consequence_of} failed)"
@@ -250,7 +249,7 @@ def describe_failure(reports: dict[int, RankReport], num_proc: int, returncode: 
         elif other.host in silent:
             continue
         elif other.exit is None or found is not None:
-            stopped.append(rank)
+            stopped.append(other.rank)
     if silent:
         lines.append(_silent_line(silent))
     if stopped:

@@ -544,9 +544,6 @@ void ShmEngine::wait_all() {
       if (p != me_ && !arrived(p)) return false;
     return true;
   };
-  // The phases and their durations: wait_timings.h. Spin first, reading the
-  // clock every 64 polls only. Every way out adds the time waited to
-  // wait_seconds_.
   // Whichever way out, ask for the peers' lines that come next (this
   // collective's headers, the start of their buffers) all at once, so that
   // their cache misses overlap instead of following one another.
@@ -555,6 +552,9 @@ void ShmEngine::wait_all() {
     ~Prefetch() { e.prefetch_peers(); }
   } prefetch{*this};
   if (all_arrived()) return;  // no wait, and no clock read
+  // The phases and their durations: wait_timings.h. Spin first, reading the
+  // clock every 64 polls only. Every way out from here adds the time waited
+  // to wait_seconds_.
   const double start = now_seconds();
   struct AddWait {
     double& total;
