@@ -8,12 +8,18 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/tuple.h>
 
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <ctime>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 // numpy's C API, for the one-call collectives; the module imports it at load.
@@ -855,6 +861,257 @@ nb::object dispatch_allgather(nb::handle x, nb::handle label) {
   return out;
 }
 
+
+// ---- The TensorFlow op's plans ----------------------------------------------
+// A traced TensorFlow step's grouped allreduce runs as KerasDistAllreduce
+// (tf_kernel.cc), which hands its buffers to tf_allreduce_entry below with the
+// number of a plan made when the step was traced (keras_dist/tensor/tf_kernel.py):
+// the buckets keras_dist/tensor/ops.py `_allreduce_plan` made, each reduced by
+// ShmEngine::allreduce_parts straight from TensorFlow's inputs into its
+// outputs, with no Python. Whatever that cannot do (a bucket larger than the
+// shared buffer, an error from the engine, ranks that have joined) goes to
+// the plan's Python `fallback` for that bucket, which does what the Python
+// path does in that case. The call is counted in COUNTERS, and recorded by
+// the plan's `record` when a timeline records, as the Python path does.
+
+// The Python classes of the engine's errors (set when the module loads).
+PyObject* g_error_types[4] = {};
+
+class TfPlan {
+ public:
+  struct Bucket {
+    std::vector<size_t> members;
+    kd::DType dtype;
+    std::string name;
+  };
+
+  TfPlan(nb::handle engine, nb::list buckets, int op_code, bool average,
+         std::vector<uint64_t> nbytes, nb::callable fallback, nb::callable record)
+      : engine_obj_(nb::borrow(engine)),
+        engine_(engine_of(engine)),
+        op_(check_op(op_code)),
+        average_(average),
+        nbytes_(std::move(nbytes)),
+        fallback_(std::move(fallback)),
+        record_(std::move(record)) {
+    for (nb::handle item : buckets) {
+      auto [members, dtype_code, name] =
+          nb::cast<std::tuple<std::vector<size_t>, int, std::string>>(item);
+      for (size_t i : members) {
+        if (i >= nbytes_.size()) {
+          throw nb::value_error(("TfPlan: bucket member " + std::to_string(i) +
+                                 " is past the plan's " + std::to_string(nbytes_.size()) +
+                                 " tensors")
+                                    .c_str());
+        }
+      }
+      buckets_.push_back({std::move(members), check_dtype(dtype_code), std::move(name)});
+    }
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    id_ = ++next_id();
+    registry()[id_] = this;
+  }
+  ~TfPlan() {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    registry().erase(id_);
+  }
+  TfPlan(const TfPlan&) = delete;
+  TfPlan& operator=(const TfPlan&) = delete;
+
+  int64_t id() const { return id_; }
+
+  static kd::ShmEngine* engine_of(nb::handle engine) {
+    if (!nb::isinstance<kd::ShmEngine>(engine)) {
+      throw nb::type_error(("TfPlan: `engine` must be a ShmEngine. Received: an object of type " +
+                            std::string(nb::type_name(engine.type()).c_str()))
+                               .c_str());
+    }
+    return nb::inst_ptr<kd::ShmEngine>(engine);
+  }
+
+  // The plan numbered `id`, or null once its Python object is gone.
+  static TfPlan* find(int64_t id) {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    auto it = registry().find(id);
+    return it == registry().end() ? nullptr : it->second;
+  }
+
+  // See tf_allreduce_entry. Called without the GIL.
+  int run(int count, const void* const* srcs, void* const* dsts, const size_t* nbytes,
+          std::string& message) {
+    if (size_t(count) != nbytes_.size()) {
+      message = "KerasDistAllreduce: the op has " + std::to_string(count) +
+                " tensors, its plan " + std::to_string(nbytes_.size());
+      return kInvalidArgument;
+    }
+    for (size_t i = 0; i < nbytes_.size(); ++i) {
+      if (nbytes[i] != nbytes_[i]) {
+        message = "KerasDistAllreduce: tensor " + std::to_string(i) + " has " +
+                  std::to_string(nbytes[i]) + " bytes, the shape it was traced with " +
+                  std::to_string(nbytes_[i]);
+        return kInvalidArgument;
+      }
+    }
+    const int64_t start = realtime_ns();
+    const double waited = engine_->wait_seconds();
+    thread_local std::vector<kd::ShmEngine::Part> parts;
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const Bucket& bucket = buckets_[b];
+      parts.clear();
+      for (size_t i : bucket.members) {
+        parts.push_back({srcs[i], dsts[i], nbytes[i]});
+      }
+      std::exception_ptr failure;
+      bool done = false;
+      try {
+        done = engine_->allreduce_parts(parts, bucket.dtype, op_, average_, bucket.name);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      if (!done) {
+        const int code = fall_back(b, failure, srcs, dsts, message);
+        if (code != 0) return code;
+      }
+    }
+    const int64_t end = realtime_ns();
+    const int64_t wait_ns = int64_t((engine_->wait_seconds() - waited) * 1e9);
+    nb::gil_scoped_acquire acquire;
+    try {
+      Dispatch& d = dispatch();
+      if (d.counters) {
+        for (size_t b = 0; b < buckets_.size(); ++b) d.count(d.key_allreduce);
+      }
+      PyObject* recorder = d.timeline ? PyDict_GetItemWithError(d.timeline, d.key_recorder)
+                                      : Py_None;
+      if (!recorder && PyErr_Occurred()) throw nb::python_error();
+      if (recorder && recorder != Py_None) record_(start, end, wait_ns);
+    } catch (const std::exception& e) {
+      message = std::string("keras_dist: after the allreduce: ") + e.what();
+      return kUnknown;
+    }
+    return 0;
+  }
+
+ private:
+  static constexpr int kUnknown = 2, kInvalidArgument = 3;
+
+  static std::mutex& registry_mutex() {
+    static std::mutex* m = new std::mutex();
+    return *m;
+  }
+  static std::unordered_map<int64_t, TfPlan*>& registry() {
+    static auto* r = new std::unordered_map<int64_t, TfPlan*>();
+    return *r;
+  }
+  static int64_t& next_id() {
+    static int64_t id = 0;
+    return id;
+  }
+  static int64_t realtime_ns() {
+    timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+  }
+
+  // The engine's error as the Python exception the Python path would see.
+  static nb::object python_error_of(std::exception_ptr failure) {
+    auto make = [](PyObject* type, const char* text) {
+      PyObject* made = PyObject_CallFunction(type, "s", text);
+      if (!made) throw nb::python_error();
+      return nb::steal(made);
+    };
+    try {
+      std::rethrow_exception(failure);
+    } catch (nb::python_error& e) {
+      return nb::borrow(e.value());
+    } catch (const kd::MismatchError& e) {
+      return make(g_error_types[0], e.what());
+    } catch (const kd::PeerFailureError& e) {
+      return make(g_error_types[1], e.what());
+    } catch (const kd::TimeoutError& e) {
+      return make(g_error_types[2], e.what());
+    } catch (const kd::TransportError& e) {
+      return make(g_error_types[3], e.what());
+    } catch (const std::invalid_argument& e) {
+      return make(PyExc_ValueError, e.what());
+    } catch (const std::exception& e) {
+      return make(PyExc_RuntimeError, e.what());
+    }
+  }
+
+  // Bucket `b` by the Python fallback: fallback(b, srcs, dsts, error), the
+  // buffers as 1-D uint8 arrays, error None (the bucket did not fit the
+  // shared buffer) or the engine's error; it returns None, or (code, message)
+  // for the op's status.
+  int fall_back(size_t b, std::exception_ptr failure, const void* const* srcs_in,
+                void* const* dsts_in, std::string& message) {
+    nb::gil_scoped_acquire acquire;
+    try {
+      nb::object error = failure ? python_error_of(failure) : nb::none();
+      failure = nullptr;  // a held python_error is released with the GIL
+      nb::list srcs, dsts;
+      for (size_t i : buckets_[b].members) {
+        srcs.append(bytes_array(srcs_in[i], nbytes_[i]));
+        dsts.append(bytes_array(dsts_in[i], nbytes_[i]));
+      }
+      nb::object result = fallback_(b, srcs, dsts, error);
+      if (result.is_none()) return 0;
+      auto [code, text] = nb::cast<std::pair<int, std::string>>(result);
+      message = text;
+      return code == 0 ? kUnknown : code;
+    } catch (const std::exception& e) {
+      message = std::string("keras_dist: the allreduce's fallback failed: ") + e.what();
+      return kUnknown;
+    }
+  }
+
+  static nb::object bytes_array(const void* data, size_t nbytes) {
+    npy_intp dims[1] = {npy_intp(nbytes)};
+    PyObject* a = PyArray_SimpleNewFromData(1, dims, NPY_UINT8, const_cast<void*>(data));
+    if (!a) throw nb::python_error();
+    return nb::steal(a);
+  }
+
+  nb::object engine_obj_;  // keeps the engine alive
+  kd::ShmEngine* engine_;
+  kd::Op op_;
+  bool average_;
+  std::vector<uint64_t> nbytes_;
+  nb::callable fallback_;
+  nb::callable record_;
+  std::vector<Bucket> buckets_;
+  int64_t id_ = 0;
+};
+
+}  // namespace
+
+// KerasDistAllreduce's entry (its `entry` attribute is this address): the
+// plan numbered `plan` on `count` tensors, `srcs[i]` into `dsts[i]` (may be
+// the same buffer), `nbytes[i]` each. Returns 0, or a TF_Code with `message`
+// filled (NUL-terminated, at most `message_bytes`).
+extern "C" int keras_dist_tf_allreduce_entry(int64_t plan, int count, const void* const* srcs,
+                                             void* const* dsts, const size_t* nbytes,
+                                             char* message, size_t message_bytes) {
+  std::string text;
+  int code = 0;
+  TfPlan* found = TfPlan::find(plan);
+  if (!found) {
+    text = "keras_dist: this traced step's allreduce plan is gone (the step was traced "
+           "before keras_dist was shut down or initialised again): trace the step again";
+    code = 9;  // FAILED_PRECONDITION
+  } else {
+    code = found->run(count, srcs, dsts, nbytes, text);
+  }
+  if (code != 0 && message_bytes > 0) {
+    const size_t n = std::min(text.size(), message_bytes - 1);
+    std::memcpy(message, text.data(), n);
+    message[n] = '\0';
+  }
+  return code;
+}
+
+namespace {
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -904,10 +1161,26 @@ NB_MODULE(_native, m) {
         "kd.allgather's counterpart of dispatch_allreduce (bytes: the ranks' headers "
         "when they disagree).");
 
-  nb::exception<kd::MismatchError>(m, "CollectiveMismatchError");
-  nb::exception<kd::PeerFailureError>(m, "PeerFailureError");
-  nb::exception<kd::TimeoutError>(m, "CollectiveTimeoutError");
-  nb::exception<kd::TransportError>(m, "TransportError");
+  nb::exception<kd::MismatchError> mismatch(m, "CollectiveMismatchError");
+  nb::exception<kd::PeerFailureError> peer_failure(m, "PeerFailureError");
+  nb::exception<kd::TimeoutError> timeout(m, "CollectiveTimeoutError");
+  nb::exception<kd::TransportError> transport(m, "TransportError");
+  const nb::handle error_types[4] = {mismatch, peer_failure, timeout, transport};
+  for (int i = 0; i < 4; ++i) g_error_types[i] = error_types[i].inc_ref().ptr();
+
+  nb::class_<TfPlan>(m, "TfPlan",
+                     "A traced TensorFlow step's grouped allreduce, for the KerasDistAllreduce "
+                     "op: its buckets [(member indices, dtype code, name)], the engine, the "
+                     "op and the tensors' sizes; fallback(bucket, srcs, dsts, error) serves "
+                     "what the engine cannot, record(start_ns, end_ns, wait_ns) a timeline.")
+      .def(nb::init<nb::handle, nb::list, int, bool, std::vector<uint64_t>, nb::callable,
+                    nb::callable>(),
+           nb::arg("engine"), nb::arg("buckets"), nb::arg("op"), nb::arg("average"),
+           nb::arg("nbytes"), nb::arg("fallback"), nb::arg("record"))
+      .def_prop_ro("id", &TfPlan::id);
+  m.def("tf_entry_address",
+        [] { return int64_t(reinterpret_cast<intptr_t>(&keras_dist_tf_allreduce_entry)); },
+        "The address of the KerasDistAllreduce op's entry function.");
 
   nb::class_<kd::ShmEngine>(m, "ShmEngine",
                             "Collectives among the ranks of one machine through one POSIX "

@@ -1,0 +1,202 @@
+"""keras_dist's TensorFlow op (``KerasDistAllreduce``) in one process.
+
+A one-rank engine copies each input into its output, so every output must
+equal its input bit for bit: this checks the op's hand-over (shapes, dtypes,
+its reused output memory, outputs a program keeps), the bucket fallback and
+the op's status. The reduction itself across ranks is checked in
+``tests/multiprocess`` (``test_tf_kernel.py``).
+"""
+
+import gc
+import os
+import secrets
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from keras_dist import _native, _vocab  # noqa: E402
+from keras_dist.tensor import tf_kernel  # noqa: E402
+
+SHAPES_DTYPES = [((3, 5), np.float32), ((7,), np.float64), ((), np.float32), ((0,), np.float32),
+                 ((33,), np.float16), ((4, 4), np.int32), ((300, 70), np.float32)]
+
+
+def _engine(slot_bytes: int):
+    engine = _native.ShmEngine(f"/kd-test-{os.getpid()}-{secrets.token_hex(4)}", True, 0, 1,
+                               slot_bytes, [os.getpid()])
+    engine.attach()
+    return engine
+
+
+@pytest.fixture
+def engine():
+    engine = _engine(1 << 20)
+    yield engine
+    engine.leave()
+
+
+@pytest.fixture
+def small_engine():
+    engine = _engine(1 << 16)
+    yield engine
+    engine.leave()
+
+
+def _values(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(shape) * 100).astype(dtype) for shape, dtype in SHAPES_DTYPES]
+
+
+def _buckets(arrays) -> list:
+    """One bucket per dtype, as ``ops._allreduce_plan`` groups them."""
+    by_dtype: dict = {}
+    for i, a in enumerate(arrays):
+        by_dtype.setdefault(a.dtype, []).append(i)
+    return [(members, _vocab.dtype_code(np.dtype(d)), f"t {np.dtype(d).name}")
+            for d, members in by_dtype.items()]
+
+
+def _traced(engine, buckets, fallback=None, record=None):
+    calls = []
+
+    def default_fallback(index, srcs, dsts, error):
+        calls.append((index, error))
+        for s, d in zip(srcs, dsts):
+            np.copyto(d, s)
+        return None
+
+    def step(*xs):
+        return tf_kernel.allreduce(list(xs), engine, buckets, _vocab.SUM, False,
+                                   fallback or default_fallback, record or (lambda *a: None))
+
+    return tf.function(step), calls
+
+
+def test_the_op_library_loads_and_registers_its_op():
+    library = tf_kernel.library()
+    assert library is not None, "keras_dist/_tf_ops.so did not load or did not register"
+    assert hasattr(library, "keras_dist_allreduce")
+
+
+def test_each_output_holds_its_input_with_its_shape_and_dtype(engine):
+    arrays = _values(1)
+    traced, calls = _traced(engine, _buckets(arrays))
+    for seed in range(3):
+        arrays = _values(seed)
+        outputs = traced(*[tf.constant(a) for a in arrays])
+        for array, output in zip(arrays, outputs):
+            assert output.shape == array.shape and output.dtype == tf.as_dtype(array.dtype)
+            assert np.array_equal(output.numpy(), array)
+    assert calls == []  # every bucket fitted the engine's buffer
+    ops = traced.get_concrete_function(*[tf.constant(a) for a in arrays]).graph.get_operations()
+    assert [op.type for op in ops].count("KerasDistAllreduce") == 1
+    assert not any(op.type.startswith("PyFunc") for op in ops)
+
+
+def test_outputs_a_program_keeps_are_never_overwritten(engine):
+    arrays = _values(0)
+    traced, _ = _traced(engine, _buckets(arrays))
+    kept = []
+    for seed in range(10):  # more calls than the op keeps memory for
+        values = _values(seed)
+        kept.append((values, traced(*[tf.constant(v) for v in values])))
+    for values, outputs in kept:
+        for value, output in zip(values, outputs):
+            assert np.array_equal(output.numpy(), value)
+    del kept
+    gc.collect()
+    values = _values(99)
+    for value, output in zip(values, traced(*[tf.constant(v) for v in values])):
+        assert np.array_equal(output.numpy(), value)
+
+
+def test_a_bucket_larger_than_the_engine_buffer_goes_to_the_fallback(small_engine):
+    engine = small_engine
+    arrays = _values(2)
+    big = [i for i, a in enumerate(arrays) if a.nbytes > engine.buffer_bytes]
+    assert big, "the test needs a tensor larger than the engine's buffer"
+    traced, calls = _traced(engine, _buckets(arrays))
+    outputs = traced(*[tf.constant(a) for a in arrays])
+    for array, output in zip(arrays, outputs):
+        assert np.array_equal(output.numpy(), array)
+    buckets = _buckets(arrays)
+    assert [index for index, _ in calls] == [b for b, (members, _, _) in enumerate(buckets)
+                                             if any(i in big for i in members)]
+    assert all(error is None for _, error in calls)
+
+
+def test_a_fallback_status_fails_the_step_with_its_code_and_message(small_engine):
+    engine = small_engine  # a bucket larger than its buffer goes to the fallback
+    arrays = _values(3)
+
+    def failing(index, srcs, dsts, error):
+        return 9, "keras_dist CollectiveMismatchError: ranks disagree (test)"
+
+    traced, _ = _traced(engine, _buckets(arrays), fallback=failing)
+    with pytest.raises(tf.errors.FailedPreconditionError, match="ranks disagree \\(test\\)"):
+        traced(*[tf.constant(a) for a in arrays])
+
+
+def test_an_engine_error_reaches_the_fallback_as_the_python_error(engine):
+    arrays = [np.arange(6, dtype=np.float32)]
+    seen = []
+
+    def fallback(index, srcs, dsts, error):
+        seen.append(error)
+        return tf_kernel.status_of(error, _native.CollectiveMismatchError)
+
+    traced, _ = _traced(engine, _buckets(arrays), fallback=fallback)
+    engine.leave()  # the engine now refuses every collective
+    with pytest.raises(tf.errors.OpError, match="TransportError"):
+        traced(tf.constant(arrays[0]))
+    assert len(seen) == 1 and isinstance(seen[0], _native.TransportError)
+
+
+def test_a_step_whose_plan_is_gone_fails_and_says_why(engine):
+    arrays = [np.arange(4, dtype=np.float32)]
+    plan = _native.TfPlan(engine, _buckets(arrays), _vocab.SUM, False, [16],
+                          lambda *a: None, lambda *a: None)
+    number = plan.id
+    del plan
+    gc.collect()
+
+    @tf.function
+    def step(x):
+        return tf_kernel.library().keras_dist_allreduce(
+            [x], plan=number, entry=_native.tf_entry_address())
+
+    with pytest.raises(tf.errors.FailedPreconditionError, match="plan is gone"):
+        step(tf.constant(arrays[0]))
+
+
+def test_a_timeline_records_the_call_when_one_records(engine, tmp_path):
+    from keras_dist._runtime import timeline
+    from keras_dist.tensor import ops  # sets up the counters the entry adds to
+
+    arrays = _values(4)
+    spans = []
+    traced, _ = _traced(engine, _buckets(arrays),
+                        record=lambda start, end, wait: spans.append((start, end, wait)))
+    before = ops.COUNTERS["allreduce"]
+    traced(*[tf.constant(a) for a in arrays])
+    assert spans == []  # no timeline
+    assert ops.COUNTERS["allreduce"] - before == len(_buckets(arrays))
+    timeline._recorder = object()  # what the entry reads: recording
+    try:
+        traced(*[tf.constant(a) for a in arrays])
+    finally:
+        timeline._recorder = None
+    assert len(spans) == 1
+    start, end, wait = spans[0]
+    assert 0 < start <= end and 0 <= wait <= end - start
+
+
+def test_plan_arguments_are_checked(engine):
+    with pytest.raises(ValueError, match="past the plan's 1 tensors"):
+        _native.TfPlan(engine, [([0, 1], _vocab.dtype_code(np.dtype(np.float32)), "t")],
+                       _vocab.SUM, False, [16], lambda *a: None, lambda *a: None)
+    with pytest.raises(TypeError, match="`engine` must be a ShmEngine"):
+        _native.TfPlan(object(), [], _vocab.SUM, False, [], lambda *a: None, lambda *a: None)
