@@ -192,13 +192,15 @@ def _timed(name: str, kind: str, nbytes: int, transport, names: Sequence[str] | 
     finally:
         end = now_ns()
         after = transport.wait_seconds() if waited is not None else None
-        _record_collective(name, kind, nbytes, start, end,
+        record_collective(name, kind, nbytes, start, end,
                            None if after is None else int((after - waited) * 1e9),
                            names if names is not None else current_names())
 
 
-def _record_collective(name: str, kind: str, nbytes: int, start: int, end: int,
-                       wait_ns: int | None, names: Sequence[str] | None) -> None:
+def record_collective(name: str, kind: str, nbytes: int, start: int, end: int,
+                      wait_ns: int | None, names: Sequence[str] | None) -> None:
+    """Records one collective from ``start`` to ``end`` (``now_ns`` clock), of which
+    ``wait_ns`` waiting for peers (None: not measured), if a timeline records."""
     # The hot path while recording: the collective's constant part is
     # encoded once (``_encoded``), each event is one formatted line.
     head = _encoded(name, kind, int(nbytes), tuple(names) if names else ())

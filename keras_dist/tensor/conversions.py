@@ -374,7 +374,8 @@ GradFn = Callable[[list, list, list], list]
 def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray]],
         name: str, shapes: Callable[[list], list] | None = None, grad: GradFn | None = None,
         out_dtypes: Sequence | None = None,
-        device_fn: Callable[[list], list] | None = None, one_buffer: bool = False) -> list:
+        device_fn: Callable[[list], list] | None = None, one_buffer: bool = False,
+        graph_kernel: Callable[[list], list | None] | None = None) -> list:
     """Applies ``numpy_fn`` to ``values``; TF values get a TF op, with a gradient.
 
     Eager values are converted to numpy and back (each output as the kind of
@@ -405,6 +406,9 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
             (``_buffer_layout``): TensorFlow's fixed cost per output of that
             op is about 10 us. Cheapest when ``numpy_fn`` returns
             ``fusion.aligned_like`` views; other arrays are copied into one.
+        graph_kernel: in a traced TF step on the host (not the device path),
+            builds the op itself from the symbolic inputs instead of the
+            ``numpy_function`` op (``tf_kernel``), or returns None.
 
     Returns:
         The outputs as a list.
@@ -437,9 +441,14 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
 
     def forward(*inputs):
         if symbolic:
-            return _graph_op(list(inputs), numpy_fn, name, shapes, dtypes,
-                             on_device if on_device and _tf_device_path_available() else None,
-                             one_buffer)
+            device = on_device if on_device and _tf_device_path_available() else None
+            if graph_kernel is not None and device is None and same_outputs:
+                with _after_previous_collective() as remember:
+                    built = graph_kernel(list(inputs))
+                    if built is not None:
+                        remember(built[0].op)
+                        return built
+            return _graph_op(list(inputs), numpy_fn, name, shapes, dtypes, device, one_buffer)
         path = device_path(inputs) if on_device is not None else None
         try:
             if path is not None:

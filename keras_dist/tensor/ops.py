@@ -190,7 +190,6 @@ def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
             return arrays
         return [_allreduce_numpy(a, op, prescale, postscale, name, group) for a in arrays]
     transport = group.transport
-    code = _vocab.TRANSPORT_OPS[op]
     buckets, offsets, total, nbytes = _allreduce_plan(arrays, op, name,
                                                       group.config.fusion_threshold_bytes)
     # Every result is a view of one aligned buffer, in the order of `arrays`:
@@ -202,26 +201,33 @@ def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
     reduce_parts = prescale == 1.0 and postscale == 1.0 and callable(
         getattr(transport, "allreduce_parts", None))
     with timeline.activity(name, "allreduce", nbytes, transport, labels):
-        for bucket, dtype, described in buckets:
+        for bucket, _, described in buckets:
             if len(bucket) == len(arrays):  # one bucket: every array
                 members, results = arrays, outputs
             else:
                 members = [arrays[i] for i in bucket]
                 results = [outputs[i] for i in bucket]
-            if reduce_parts and _allreduce_parts(transport, members, results, op, described,
-                                                 group.size):
-                COUNTERS["allreduce"] += 1
-                continue
-            count = sum(a.size for a in members)
-            flat = transport.scratch(count * dtype.itemsize).view(dtype)
-            fusion.pack(members, flat, _vocab.typed_factor(prescale, dtype))
-            moved = transport.allreduce(flat, code, name=described)
-            if moved is not None:  # ranks have joined: the result is elsewhere
-                flat = moved
+            if not (reduce_parts and _allreduce_parts(transport, members, results, op, described,
+                                                      group.size)):
+                _reduce_fused(transport, members, results, op, described, group.size, prescale,
+                              postscale)
             COUNTERS["allreduce"] += 1
-            # ``flat`` may be shared memory that peers still read: only read it now.
-            _unpack_finished(flat, members, results, op, group.size, postscale)
     return outputs
+
+
+def _reduce_fused(transport, members: list[np.ndarray], results: list[np.ndarray],
+                  op: ReduceOp, described: str, size: int, prescale: float,
+                  postscale: float) -> None:
+    """The allreduce of one bucket packed into the transport's buffer, into ``results``."""
+    dtype = members[0].dtype
+    count = sum(a.size for a in members)
+    flat = transport.scratch(count * dtype.itemsize).view(dtype)
+    fusion.pack(members, flat, _vocab.typed_factor(prescale, dtype))
+    moved = transport.allreduce(flat, _vocab.TRANSPORT_OPS[op], name=described)
+    if moved is not None:  # ranks have joined: the result is elsewhere
+        flat = moved
+    # ``flat`` may be shared memory that peers still read: only read it now.
+    _unpack_finished(flat, members, results, op, size, postscale)
 
 
 def _unpack_finished(flat: np.ndarray, members: list[np.ndarray], results: list[np.ndarray],
@@ -247,15 +253,83 @@ def _allreduce_parts(transport, members: list[np.ndarray], results: list[np.ndar
     code = _vocab.TRANSPORT_OPS[op]
     try:
         return transport.allreduce_parts(members, results, code, op is Average, described)
-    except CollectiveMismatchError as error:  # ranks may have joined: as the general path
-        mismatched = getattr(transport, "allreduce_mismatched", None)
-        if mismatched is None:
-            raise
-        flat = np.empty(sum(a.size for a in members), members[0].dtype)
-        fusion.pack(members, flat)
-        _unpack_finished(mismatched(error, flat, code, described), members, results, op,
-                         size, 1.0)
+    except CollectiveMismatchError as error:
+        _parts_mismatched(transport, error, members, results, op, described, size)
         return True
+
+
+def _parts_mismatched(transport, error: CollectiveMismatchError, members: list[np.ndarray],
+                      results: list[np.ndarray], op: ReduceOp, described: str,
+                      size: int) -> None:
+    """After ``allreduce_parts`` of a bucket raised ``error``: the bucket's result
+    with the joined ranks' part when ranks have joined (as the general path),
+    else ``error`` raised."""
+    mismatched = getattr(transport, "allreduce_mismatched", None)
+    if mismatched is None:
+        raise error
+    flat = np.empty(sum(a.size for a in members), members[0].dtype)
+    fusion.pack(members, flat)
+    _unpack_finished(mismatched(error, flat, _vocab.TRANSPORT_OPS[op], described), members,
+                     results, op, size, 1.0)
+
+
+def _graph_kernel(op: ReduceOp, prescale: float, postscale: float, label: str, group,
+                  labels: list[str] | None, reduce_arrays):
+    """For ``conversions.run``: the traced TF step's allreduce as keras_dist's own op
+    (``tf_kernel``), or None where the group or the call needs the numpy path."""
+    if reduce_arrays is not _allreduce_arrays or prescale != 1.0 or postscale != 1.0:
+        return None
+    from keras_dist.tensor import tf_kernel
+
+    if not tf_kernel.enabled():
+        return None
+    if group.size == 1:  # nothing to reduce or count: no host call in the step
+        return tf_kernel.identities
+    shm = _one_call_transport(group)
+    if shm is None or shm.engine is None:
+        return None
+    transport, engine = group.transport, shm.engine
+
+    def build(tensors: list) -> list | None:
+        if not all(t.shape.is_fully_defined() for t in tensors) or tf_kernel.library() is None:
+            return None
+        dtypes = [np.dtype(t.dtype.as_numpy_dtype) for t in tensors]
+        shapes = [tuple(t.shape.as_list()) for t in tensors]
+        templates = [np.broadcast_to(np.zeros((), d), s) for d, s in zip(dtypes, shapes)]
+        buckets, _, _, total = _allreduce_plan(templates, op, label,
+                                               group.config.fusion_threshold_bytes)
+
+        def fallback(index: int, srcs: list, dsts: list, error) -> tuple | None:
+            bucket, _, described = buckets[index]
+            kinds = [dtypes[i] for i in bucket], [shapes[i] for i in bucket]
+            members = tf_kernel.as_arrays(srcs, *kinds)
+            results = tf_kernel.as_arrays(dsts, *kinds)
+            try:
+                if error is None:  # larger than the shared buffer
+                    _reduce_fused(transport, members, results, op, described, group.size,
+                                  1.0, 1.0)
+                    return None
+                if isinstance(error, _NATIVE_ERRORS):
+                    error = _translate(error)
+                if not isinstance(error, CollectiveMismatchError):
+                    raise error
+                _parts_mismatched(transport, error, members, results, op, described,
+                                  group.size)
+            except Exception as failure:  # noqa: BLE001 - becomes the op's status
+                return tf_kernel.status_of(failure, CollectiveMismatchError)
+            return None
+
+        def record(start_ns: int, end_ns: int, wait_ns: int) -> None:
+            timeline.record_collective(label, "allreduce", total, start_ns, end_ns, wait_ns,
+                                       labels)
+
+        return tf_kernel.allreduce(
+            tensors, engine,
+            [(list(bucket), _vocab.dtype_code(dtype), described)
+             for bucket, dtype, described in buckets],
+            _vocab.TRANSPORT_OPS[op], op is Average, fallback, record)
+
+    return build
 
 
 def _broadcast_arrays(arrays: list[np.ndarray], root: int, name: str,
@@ -566,6 +640,8 @@ def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale:
         grad=tf_ops.allreduce_grad(grouped_allreduce, op, prescale, postscale, process_set),
         device_fn=_device_allreduce(op, prescale, postscale, name, group, labels),
         one_buffer=True,
+        graph_kernel=_graph_kernel(op, prescale, postscale, name or "allreduce", group, labels,
+                                   reduce_arrays),
     )
     return [compression.decompress(r, c) for r, c in zip(results, contexts)]
 

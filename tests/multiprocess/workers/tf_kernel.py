@@ -1,0 +1,146 @@
+"""A traced TF step's grouped allreduce through keras_dist's op (``tf_kernel``).
+
+Every rank regenerates every rank's data (seeded by rank and step), so each
+result is checked against a float64 reference built here. Prints
+"TFOP <check> passed rank=R" per check.
+"""
+
+import glob
+import json
+import os
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+
+import keras_dist as kd
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+kd.init()
+RANK, SIZE = kd.rank(), kd.size()
+# float32 tensors, one larger than the shm buffer (the job runs with a small
+# slot), float64, float16, int32, a scalar and an empty tensor.
+SPECS = [((17, 9), np.float32), ((300_000,), np.float32), ((5,), np.float64),
+         ((33,), np.float16), ((4, 3), np.int32), ((), np.float32), ((0,), np.float32)]
+
+
+def data(rank, step):
+    rng = np.random.default_rng([rank, step, 3])
+    return [(rng.standard_normal(shape) * 10).astype(dtype) if np.dtype(dtype).kind == "f"
+            else rng.integers(-50, 50, shape).astype(dtype) for shape, dtype in SPECS]
+
+
+def reference(step, op):
+    summed = [sum(data(r, step)[i].astype(np.float64) for r in range(SIZE))
+              for i in range(len(SPECS))]
+    if op is kd.Average:
+        return [s / SIZE for s in summed]
+    return summed
+
+
+def op_types(function, values):
+    return [op.type for op in function.get_concrete_function(values).graph.get_operations()]
+
+
+def tolerance(dtype):
+    return {np.float16: 2e-2, np.float32: 1e-5}.get(np.dtype(dtype).type, 1e-12)
+
+
+def check(got, want, label):
+    for (shape, dtype), g, w in zip(SPECS, got, want):
+        g = g.numpy()
+        assert g.shape == shape and g.dtype == dtype, (label, g.shape, g.dtype, shape, dtype)
+        if np.dtype(dtype).kind == "i":
+            w = np.floor(w) if label.endswith("average") else w  # integer average rounds down
+            assert np.array_equal(g, w.astype(dtype)), (label, g, w)
+        else:
+            assert np.allclose(g, w, rtol=tolerance(dtype), atol=tolerance(dtype)), (label,)
+
+
+def test_grouped_allreduce_matches_the_float64_reference():
+    from keras_dist.tensor import ops
+
+    fused = []  # buckets the op's fallback reduced (larger than the shm buffer)
+    plain = ops._reduce_fused
+    ops._reduce_fused = lambda *args: (fused.append(args[4]), plain(*args))
+    for op, name in ((kd.Sum, "sum"), (kd.Average, "average")):
+        @tf.function
+        def step(xs, op=op):
+            return kd.grouped_allreduce(xs, op=op)
+
+        values = [tf.constant(a) for a in data(RANK, 0)]
+        types = op_types(step, values)
+        assert types.count("KerasDistAllreduce") == 1, types
+        assert not any(t.startswith("PyFunc") for t in types), types
+        for k in range(3):
+            check(step([tf.constant(a) for a in data(RANK, k)]), reference(k, op), name)
+    ops._reduce_fused = plain
+    assert len(fused) == 6 and all("300000" in name for name in fused), fused
+
+
+def test_the_numpy_path_gives_the_same_bits():
+    values = [tf.constant(a) for a in data(RANK, 7)]
+    previous = os.environ.get("KERAS_DIST_TF_OP")
+    results = {}
+    for setting in ("1", "0"):
+        os.environ["KERAS_DIST_TF_OP"] = setting  # read when the step is traced
+
+        @tf.function
+        def step(xs):
+            return kd.grouped_allreduce(xs, op=kd.Average)
+
+        types = op_types(step, values)
+        assert ("KerasDistAllreduce" in types) == (setting == "1"), (setting, types)
+        results[setting] = [r.numpy() for r in step(values)]
+    if previous is None:
+        del os.environ["KERAS_DIST_TF_OP"]
+    else:
+        os.environ["KERAS_DIST_TF_OP"] = previous
+    for a, b in zip(results["1"], results["0"]):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_mismatched_shapes_fail_on_every_rank_and_the_job_goes_on():
+    @tf.function
+    def step(xs):
+        return kd.grouped_allreduce(xs, op=kd.Sum)
+
+    mine = tf.constant(np.ones(3 + RANK, np.float32))
+    try:
+        step([mine])
+    except tf.errors.FailedPreconditionError as error:
+        assert "CollectiveMismatchError" in str(error), str(error)
+    else:
+        raise AssertionError("a mismatch did not fail the step")
+    check(step.python_function([tf.constant(a) for a in data(RANK, 1)]), reference(1, kd.Sum),
+          "after the mismatch, sum")
+
+
+def test_a_timeline_records_the_op_with_its_waits():
+    directory = tempfile.mkdtemp(prefix=f"kd-tfop-{RANK}-")
+    kd.start_timeline(os.path.join(directory, "t.json"))
+
+    @tf.function
+    def step(xs):
+        return kd.grouped_allreduce(xs, op=kd.Average)
+
+    try:
+        step([tf.constant(a) for a in data(RANK, 2)])
+    finally:
+        kd.stop_timeline(summary=False)
+    (part,) = glob.glob(os.path.join(directory, "t.json.rank*"))
+    with open(part) as lines:
+        events = [json.loads(line) for line in lines]
+    names = [e["name"] for e in events if e.get("ph") == "X"]
+    assert names.count("allreduce") == 1, names
+    assert "wait for peers" in names and "move data" in names, names
+    for leftover in glob.glob(os.path.join(directory, "*")):
+        os.unlink(leftover)
+    os.rmdir(directory)
+
+
+for check_name in [n for n in sorted(globals()) if n.startswith("test_")]:
+    globals()[check_name]()
+    kd.barrier()
+    print(f"TFOP {check_name} passed rank={RANK}", flush=True)
