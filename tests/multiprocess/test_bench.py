@@ -5,6 +5,7 @@ transport that ran and reported no wrong elements. No timing is asserted.
 """
 
 import importlib.util
+import re
 import sys
 
 import pytest
@@ -91,3 +92,18 @@ def test_parts_floor_benchmark_checks_results_and_removes_its_segment():
                          "local copy of the message", "allreduce_parts / floor"}, out
     assert all(float(v) > 0 for values in rows.values() for v in values), out
     assert set(glob.glob("/dev/shm/psm_*")) <= before, "parts_floor.py left its segment"
+
+
+@pytest.mark.timeout(200)
+def test_tf_op_ab_benchmark_times_both_ops_and_the_baseline():
+    result = run_job([sys.executable, "benchmarks/tf_op_ab.py", "--model", "mlp", "--iters", "2",
+                      "--steps", "2"], np=2, timeout=150, env={"OMP_NUM_THREADS": "1"})
+    result.check()
+    out = result.rank_stdout.get(0, "")
+    steps = {line.split("median step")[0].strip():
+             float(re.search(r"median step\s+([\d.]+) ms", line)[1])
+             for line in out.splitlines() if "median step" in line}
+    assert set(steps) == {"numpy_function", "keras_dist op", "plain"}, out
+    assert all(value > 0 for value in steps.values()), out
+    efficiency = [line for line in out.splitlines() if "efficiency" in line]
+    assert len(efficiency) == 2 and all("waiting" in line for line in efficiency), out
