@@ -175,11 +175,13 @@ struct Kernel {
     for (Region* region : regions) release(region);
   }
 
-  // A region of at least `bytes` that no output uses, or null.
-  Region* free_region(size_t bytes) {
+  // A region of at least `bytes` that no output uses, taken for `outputs`
+  // outputs (their references added), or null.
+  Region* take_region(size_t bytes, int outputs) {
     std::lock_guard<std::mutex> lock(mutex);
     for (Region* region : regions) {
       if (region->bytes >= bytes && region->refs.load(std::memory_order_acquire) == 1) {
+        region->refs.fetch_add(outputs, std::memory_order_relaxed);
         return region;
       }
     }
@@ -191,6 +193,7 @@ struct Kernel {
       delete region;
       return nullptr;
     }
+    region->refs.fetch_add(outputs, std::memory_order_relaxed);
     regions.push_back(region);
     return region;
   }
@@ -240,15 +243,19 @@ void compute(void* opaque, TF_OpKernelContext* ctx) {
   nbytes.assign(size_t(count), 0);
   static char empty[kAlign];  // where a part of no bytes points
   size_t total = 0;
+  int outputs = 0;  // those of one byte or more
   for (int i = 0; i < count && api.GetCode(status) == 0; ++i) {
     api.GetInput(ctx, i, &inputs[size_t(i)], status);
     if (api.GetCode(status) != 0) break;
     nbytes[size_t(i)] = api.TensorByteSize(inputs[size_t(i)]);
     srcs[size_t(i)] = nbytes[size_t(i)] ? api.TensorData(inputs[size_t(i)]) : empty;
     total += aligned(nbytes[size_t(i)]);
+    outputs += nbytes[size_t(i)] ? 1 : 0;
   }
-  Region* region = api.GetCode(status) == 0 && total ? kernel.free_region(total) : nullptr;
+  Region* region =
+      api.GetCode(status) == 0 && total ? kernel.take_region(total, outputs) : nullptr;
   size_t offset = 0;
+  int made = 0;  // outputs made in `region`
   for (int i = 0; i < count && api.GetCode(status) == 0; ++i) {
     TF_Tensor* in = inputs[size_t(i)];
     const int rank = api.NumDims(in);
@@ -257,10 +264,10 @@ void compute(void* opaque, TF_OpKernelContext* ctx) {
     const size_t n = nbytes[size_t(i)];
     TF_Tensor* out;
     if (region && n) {
-      region->refs.fetch_add(1, std::memory_order_relaxed);
       out = api.NewTensor(api.TensorType(in), dims.data(), rank, region->data + offset, n,
                           &release_output, region);
       offset += aligned(n);
+      ++made;
       api.SetOutput(ctx, i, out, status);
     } else {
       out = api.AllocateOutput(ctx, i, api.TensorType(in), dims.data(), rank, n, status);
@@ -270,6 +277,7 @@ void compute(void* opaque, TF_OpKernelContext* ctx) {
       api.DeleteTensor(out);  // the context holds the output
     }
   }
+  for (; region && made < outputs; ++made) release(region);  // a failure stopped the loop
   if (api.GetCode(status) == 0) {
     char message[4096];
     message[0] = '\0';
