@@ -193,8 +193,8 @@ def _timed(name: str, kind: str, nbytes: int, transport, names: Sequence[str] | 
         end = now_ns()
         after = transport.wait_seconds() if waited is not None else None
         record_collective(name, kind, nbytes, start, end,
-                           None if after is None else int((after - waited) * 1e9),
-                           names if names is not None else current_names())
+                          None if after is None else int((after - waited) * 1e9),
+                          names if names is not None else current_names())
 
 
 def record_collective(name: str, kind: str, nbytes: int, start: int, end: int,

@@ -3,17 +3,17 @@
 ``KerasDistAllreduce`` (``native/src/tf_kernel.cc``, loaded with
 ``tf.load_op_library``) hands its input and output buffers to the native
 module, which reduces each bucket with the shm engine straight from
-TensorFlow's inputs into its outputs (an output takes over its input's buffer
-when nothing else holds it). Nothing runs in Python on a good step but one
-count in ``COUNTERS`` (and, while a timeline records, the collective's span).
-The ``tf.numpy_function`` op it replaces cost 0.2-0.7 ms a step in
-TensorFlow's hand-over to Python.
+TensorFlow's inputs into the outputs (memory the op reuses from step to
+step). Nothing runs in Python on a good step but one count in ``COUNTERS``
+(and, while a timeline records, the collective's span). The
+``tf.numpy_function`` op it replaces cost 0.2-0.9 ms a step in TensorFlow's
+hand-over to Python (``benchmarks/tf_op_ab.py``).
 
-What the engine cannot do goes to this module's fallback for that bucket, in
-Python, as the numpy path does it (``ops.reduce_bucket`` and
-``ops.parts_failed``): a bucket larger than the shared buffer, ranks that have
-joined, an error (raised as the op's status: a ``CollectiveMismatchError`` as
-FAILED_PRECONDITION, as on the numpy path).
+What the engine cannot do goes to the fallback ``ops`` gives for that
+bucket, in Python, as the numpy path does it (``ops._reduce_fused``,
+``ops._parts_mismatched``): a bucket larger than the shared buffer, ranks
+that have joined, an error (the op's status: a ``CollectiveMismatchError``
+as FAILED_PRECONDITION, as on the numpy path).
 
 Used when the op library loads (it is built with the native module, without
 TensorFlow), the group runs on the shm engine, the call reduces with no
