@@ -364,7 +364,12 @@ class Supervisor:
                             except OSError:
                                 pass
                 elif key.fileobj is channel:
-                    data = channel.recv(_READ_BYTES)
+                    try:
+                        data = channel.recv(_READ_BYTES)
+                    except OSError:
+                        # ECONNRESET: the child exited with a host-update notice
+                        # unread; what it wrote before that was read already.
+                        data = b""
                     if not data:
                         selector.unregister(channel)
                         continue
