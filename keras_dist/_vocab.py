@@ -15,11 +15,6 @@ import functools
 
 import numpy as np
 
-try:  # ml_dtypes ships with TensorFlow and JAX; numpy has no bfloat16 of its own.
-    from ml_dtypes import bfloat16 as _bfloat16
-except ImportError:  # pragma: no cover - only without TF/JAX installed
-    _bfloat16 = None
-
 FLOAT16, BFLOAT16, FLOAT32, FLOAT64, INT32, INT64, UINT8, INT8, INT16, UINT16 = range(10)
 
 SUM, MIN, MAX, PRODUCT = range(4)
@@ -66,28 +61,44 @@ _CODES: dict[np.dtype, int] = {
     np.dtype(np.int16): INT16,
     np.dtype(np.uint16): UINT16,
 }
-if _bfloat16 is not None:
-    _CODES[np.dtype(_bfloat16)] = BFLOAT16
-
-SUPPORTED_DTYPE_NAMES = ", ".join(sorted(d.name for d in _CODES))
 #: dtype name of each native code.
 DTYPE_NAMES = {code: dtype.name for dtype, code in _CODES.items()}
+DTYPE_NAMES[BFLOAT16] = "bfloat16"
+SUPPORTED_DTYPE_NAMES = ", ".join(sorted(DTYPE_NAMES.values()))
+
+
+@functools.cache
+def bfloat16_dtype() -> np.dtype:
+    """numpy's bfloat16 dtype, ml_dtypes' (a dependency of Keras; numpy has
+    none of its own). Imported on first use: its import takes most of a
+    second, which every ``kdrun`` and every rank would pay otherwise."""
+    from ml_dtypes import bfloat16
+
+    return np.dtype(bfloat16)
+
+
+def _code(dtype: np.dtype) -> int | None:
+    code = _CODES.get(dtype)
+    # A bfloat16 array exists only once ml_dtypes is imported: look it up then.
+    if code is None and dtype.name == "bfloat16" and dtype == bfloat16_dtype():
+        code = _CODES[dtype] = BFLOAT16
+    return code
 
 
 def dtype_code(dtype) -> int:
     """Returns the native code of a numpy dtype, or raises ``TypeError``."""
     dtype = np.dtype(dtype)
-    try:
-        return _CODES[dtype]
-    except KeyError:
+    code = _code(dtype)
+    if code is None:
         raise TypeError(
             f"keras_dist reduces only {SUPPORTED_DTYPE_NAMES}. "
             f"Received: dtype={dtype.name}"
-        ) from None
+        )
+    return code
 
 
 def is_supported(dtype) -> bool:
-    return np.dtype(dtype) in _CODES
+    return _code(np.dtype(dtype)) is not None
 
 
 def is_half(dtype) -> bool:
@@ -98,7 +109,7 @@ def is_half(dtype) -> bool:
 def is_float(dtype) -> bool:
     """True for floating-point dtypes, half precision included."""
     dtype = np.dtype(dtype)
-    return np.issubdtype(dtype, np.floating) or (dtype in _CODES and is_half(dtype))
+    return np.issubdtype(dtype, np.floating) or (is_supported(dtype) and is_half(dtype))
 
 
 def finishing_scale(op: ReduceOp, dtype, size: int, postscale: float = 1.0) -> float | None:

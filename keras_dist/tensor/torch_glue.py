@@ -19,16 +19,13 @@ import contextlib
 import numpy as np
 import torch
 
-from keras_dist._vocab import _bfloat16
+from keras_dist._vocab import bfloat16_dtype
 from keras_dist.tensor import gpu
 
 
 def numpy_dtype(tensor) -> np.dtype:
     if tensor.dtype == torch.bfloat16:
-        if _bfloat16 is None:
-            raise TypeError("A bfloat16 torch tensor needs the ml_dtypes package "
-                            "(pip install ml_dtypes). Received: dtype=torch.bfloat16")
-        return np.dtype(_bfloat16)
+        return bfloat16_dtype()
     return torch.empty((), dtype=tensor.dtype).numpy().dtype
 
 
@@ -45,7 +42,7 @@ def like(template, array: np.ndarray):
     """``array`` as a tensor on ``template``'s device."""
     if not array.flags.c_contiguous or not array.flags.writeable:
         array = array.copy()  # torch.from_numpy needs both (and keeps 0-d shapes)
-    if _bfloat16 is not None and array.dtype == np.dtype(_bfloat16):
+    if array.dtype == bfloat16_dtype():
         result = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     else:
         result = torch.from_numpy(array)
@@ -54,7 +51,7 @@ def like(template, array: np.ndarray):
 
 def cast(tensor, dtype):
     dtype = np.dtype(dtype)
-    if _bfloat16 is not None and dtype == np.dtype(_bfloat16):
+    if dtype == bfloat16_dtype():
         return tensor.to(torch.bfloat16)
     return tensor.to(torch.from_numpy(np.empty(0, dtype)).dtype)
 

@@ -257,11 +257,6 @@ class JoinableTransport(Transport):
         dtype = self._dtypes.get(code)
         if dtype is None:
             name = _vocab.DTYPE_NAMES[code]
-            if name == "bfloat16":
-                from ml_dtypes import bfloat16
-
-                dtype = np.dtype(bfloat16)
-            else:
-                dtype = np.dtype(name)
+            dtype = _vocab.bfloat16_dtype() if code == _vocab.BFLOAT16 else np.dtype(name)
             self._dtypes[code] = dtype
         return dtype

@@ -72,7 +72,7 @@ def test_jax_dlpack_round_trip_keeps_values_and_shares_the_input():
 
 def test_only_gpu_values_of_carried_dtypes_choose_cupy():
     assert gpu.carries([np.float32, np.float16, np.int64])
-    assert not gpu.carries([np.float32, _vocab._bfloat16])  # cupy has no bfloat16
+    assert not gpu.carries([np.float32, _vocab.bfloat16_dtype()])  # cupy has no bfloat16
     assert not gpu.carries([np.int8])  # NCCL has no int8 reduction here
     # CPU tensors keep the host path.
     assert torch_glue.device_module([torch.ones(2)]) is None
