@@ -47,6 +47,11 @@ from keras_dist.launcher.cleanup import find_job_processes, kill_processes_with_
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TAG_ENV = "KERAS_DIST_TEST_TAG"
+#: What a job on the TensorFlow backend hides from its processes unless told
+#: otherwise (``hide=``): a TensorFlow-only install has neither, and with them
+#: installed each rank's start-up takes 1.4 s longer (tests/_tf_only).
+TF_ONLY_HIDDEN = ("jax", "jaxlib", "matplotlib")
+_HIDING_DIR = Path(__file__).resolve().parent / "_tf_only"
 
 
 @dataclasses.dataclass
@@ -252,6 +257,7 @@ def start_job(
     kdrun_args: Sequence[str] = (),
     cwd: str | os.PathLike | None = None,
     per_rank_output: bool = True,
+    hide: Sequence[str] | None = None,
 ) -> RunningJob:
     """Starts a kdrun job without waiting (to signal it); arguments as in ``run_job``.
 
@@ -262,20 +268,33 @@ def start_job(
         command = [sys.executable, os.fspath(script_or_args)]
     else:
         command = [os.fspath(arg) for arg in script_or_args]
+    full_env = job_environment(env, hide)
+    args = [sys.executable, "-m", "keras_dist.run", "-np", str(np), *kdrun_args, "--",
+            *command]
+    return RunningJob(args, full_env, os.fspath(cwd) if cwd is not None else str(REPO_ROOT),
+                      per_rank_output)
+
+
+def job_environment(env: Mapping[str, str] | None, hide: Sequence[str] | None) -> dict[str, str]:
+    """A job's environment: this process's, with ``env`` and ``hide`` as in
+    ``run_job``, the tree first on ``PYTHONPATH`` and a fresh job tag."""
     full_env = dict(os.environ)
     for name, value in (env or {}).items():
         if value is None:
             full_env.pop(name, None)
         else:
             full_env[name] = value
+    if hide is None:
+        tensorflow = full_env.get("KERAS_BACKEND", "tensorflow") == "tensorflow"
+        hide = TF_ONLY_HIDDEN if tensorflow else ()
     path = full_env.get("PYTHONPATH", "")
     full_env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + path if path else "")
+    if hide:
+        full_env["PYTHONPATH"] = f"{_HIDING_DIR}{os.pathsep}{full_env['PYTHONPATH']}"
+        full_env["KERAS_DIST_TEST_HIDE"] = ",".join(hide)
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env[TAG_ENV] = secrets.token_hex(8)
-    args = [sys.executable, "-m", "keras_dist.run", "-np", str(np), *kdrun_args, "--",
-            *command]
-    return RunningJob(args, full_env, os.fspath(cwd) if cwd is not None else str(REPO_ROOT),
-                      per_rank_output)
+    return full_env
 
 
 def run_job(
@@ -287,6 +306,7 @@ def run_job(
     kdrun_args: Sequence[str] = (),
     cwd: str | os.PathLike | None = None,
     per_rank_output: bool = True,
+    hide: Sequence[str] | None = None,
 ) -> JobResult:
     """Runs ``kdrun -np np ...`` and returns its result; never hangs.
 
@@ -303,11 +323,15 @@ def run_job(
         per_rank_output: give kdrun ``--output-dir`` so each rank's output is
             kept apart. With False the ranks' output is in ``launcher_stdout`` /
             ``launcher_stderr``, as kdrun prints it (``[rank] line``).
+        hide: top-level packages the job's processes cannot import. Default:
+            ``TF_ONLY_HIDDEN`` for a job on the TensorFlow backend (no
+            ``KERAS_BACKEND``, or ``tensorflow``), nothing for the others;
+            ``()`` hides nothing.
 
     Returns:
         A ``JobResult``; check it with ``result.check()`` or assert on
         ``result.returncode`` with ``result.describe()`` as the message.
     """
     job = start_job(script_or_args, np, env, kdrun_args=kdrun_args, cwd=cwd,
-                    per_rank_output=per_rank_output)
+                    per_rank_output=per_rank_output, hide=hide)
     return job.wait(timeout)

@@ -17,7 +17,7 @@ def test_train_benchmark_reports_every_kind(np_, tmp_path):
     command = [sys.executable, "-m", "keras_dist.bench", "train", "--model", "mlp",
                "--batch-size", "8", "--num-iters", "2", "--num-batches-per-iter", "2",
                "--num-warmup-batches", "1", "--breakdown", "--plot", str(png)]
-    result = run_job(command, np=np_, timeout=150, env=ENV)
+    result = run_job(command, np=np_, timeout=150, env=ENV, hide=())  # --plot: matplotlib
     result.check()
     out = result.output(0)
     kinds = ["plain Keras, 1 process", "keras_dist, size 1"]

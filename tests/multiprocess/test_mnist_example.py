@@ -16,7 +16,8 @@ ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
 def test_mnist_example_learns_on_two_ranks(backend):
     command = [sys.executable, str(REPO_ROOT / "examples" / "mnist" / "train.py"), "--epochs", "1"]
-    result = run_job(command, np=2, timeout=170, env={**ENV, "KERAS_BACKEND": backend})
+    # Every installed package visible, as in the environment the README makes.
+    result = run_job(command, np=2, timeout=170, env={**ENV, "KERAS_BACKEND": backend}, hide=())
     result.check()
     found = re.search(r"test accuracy: ([\d.]+) \((\d+) digits, 2 rank\(s\)", result.output(0))
     assert found, result.describe()
