@@ -45,12 +45,15 @@ def build_command(
     In a Slurm job (``options.slurm``), hydra is told to start its proxies with
     ``srun`` (``-launcher slurm``) on the job's nodes; Open MPI's mpirun finds
     the job's nodes and launches through Slurm by itself, so it is given no hosts.
+    ``options.bind_to`` goes to both as their ``bind-to`` (Open MPI is told
+    ``none`` too: it would otherwise pin jobs of one or two ranks to cores, which
+    starves a rank's framework threads; hydra pins nothing unless told).
     """
     args = [mpiexec]
     if flavor.startswith("openmpi"):
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             args.append("--allow-run-as-root")
-        args.append("--oversubscribe")
+        args += ["--oversubscribe", "--bind-to", options.bind_to]
         if options.hosts and not options.slurm:
             args += ["-H", format_hosts(options.hosts)]
         for name, value in job_env.items():
@@ -65,6 +68,8 @@ def build_command(
             args += ["-launcher", "slurm"]
         if options.hosts:
             args += ["-hosts", format_hosts(options.hosts)]
+        if options.bind_to != "none":
+            args += ["-bind-to", options.bind_to]
         for name, value in job_env.items():
             args += ["-genv", name, value]
         if options.output_dir:

@@ -11,7 +11,8 @@ from keras_dist.launcher import slurm as _slurm
 
 USAGE = """\
 usage: kdrun [-np N] [-H HOST:SLOTS[,...] | --hostfile FILE] [--timeline PATH]
-             [--output-dir DIR] [--no-label] [--ranks LIST] [--] COMMAND...
+             [--output-dir DIR] [--no-label] [--ranks LIST] [--bind-to none|core]
+             [--] COMMAND...
 
 Runs COMMAND (no shell) on N ranks through mpiexec.
 
@@ -26,6 +27,9 @@ options:
                        (unlabelled) instead of printing it
   --no-label           print the ranks' lines without the `[rank] ` prefix
   --ranks LIST         print only these ranks' output, e.g. --ranks 0 or --ranks 0,2
+  --bind-to WHAT       none (default): ranks run on any core; core: each rank is
+                       pinned to one core of its host, in order (for ranks of one
+                       thread each, at most one rank per core)
   --mpiexec PATH       the mpiexec to use (default: beside this Python, else on PATH)
   -h, --help           show this message
 
@@ -43,6 +47,10 @@ it again on the healthy slots, and the ranks resume from their last commit):
                        also HOROVOD_ELASTIC_TIMEOUT)
   --host-cooldown T    seconds a host that failed is left out (default 60)
 """
+
+
+#: What ``--bind-to`` accepts.
+BIND_TO = ("none", "core")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +89,8 @@ class LaunchOptions:
     slurm: bool = False
     #: Set for an elastic job.
     elastic: ElasticOptions | None = None
+    #: ``"none"``, or ``"core"``: mpiexec pins each rank to a core of its host.
+    bind_to: str = "none"
 
 
 def _resolve_hosts(
@@ -136,6 +146,7 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Lau
         "--ranks": "ranks", "--max-restarts": "max_restarts", "--min-np": "min_np",
         "--max-np": "max_np", "--host-discovery-script": "discovery", "--slots": "slots",
         "--elastic-timeout": "elastic_timeout", "--host-cooldown": "cooldown",
+        "--bind-to": "bind_to", "-bind-to": "bind_to",
     }
     index = 0
     while index < len(argv):
@@ -206,6 +217,10 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Lau
                               or max(ranks) >= num_proc):
         raise UsageError(f"`--ranks` must be a comma-separated list of ranks in [0, {num_proc}). "
                          f"Received: --ranks {values['ranks']!r}")
+    bind_to = values.get("bind_to", "none")
+    if bind_to not in BIND_TO:
+        raise UsageError(f"`--bind-to` must be one of {', '.join(BIND_TO)}. "
+                         f"Received: --bind-to {bind_to!r}")
     timeline = values.get("timeline")
     return LaunchOptions(
         num_proc=num_proc,
@@ -218,6 +233,7 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Lau
         label="no_label" not in values,
         ranks=ranks,
         elastic=elastic,
+        bind_to=bind_to,
     )
 
 

@@ -107,6 +107,18 @@ def test_open_mpi_mpiexec():
     assert "kdrun: rank 1 (pid" in failed.launcher_stderr, failed.describe()
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to pin 2 ranks to")
+def test_bind_to_core_pins_each_rank_to_its_own_core():
+    code = "import os; print('CORES', sorted(os.sched_getaffinity(0)))"
+    bound = run_job([sys.executable, "-c", code], np=2, timeout=60,
+                    kdrun_args=["--bind-to", "core"]).check()
+    cores = [json.loads(bound.output(r).split("CORES ", 1)[1].splitlines()[0]) for r in (0, 1)]
+    assert all(len(c) == 1 for c in cores) and cores[0] != cores[1], bound.describe()
+    free = run_job([sys.executable, "-c", code], np=2, timeout=60).check()
+    mine = sorted(os.sched_getaffinity(0))
+    assert all(f"CORES {mine}" in free.output(r) for r in (0, 1)), free.describe()
+
+
 # --- output: whole lines, labels, chosen ranks, progress bars -------------------------
 
 LONG_LINES = r"""

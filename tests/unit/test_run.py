@@ -70,6 +70,8 @@ def test_parse_host_without_slots_counts_one():
         (["-np", "2", "-H", "a:0", "python"], "slots >= 1"),
         (["-np", "2", "-H", "a:x", "python"], "slots >= 1"),
         (["-np", "2", "-H", ",", "python"], "slots >= 1"),
+        (["-np", "2", "--bind-to", "socket", "python"],
+         "`--bind-to` must be one of none, core. Received: --bind-to 'socket'"),
     ],
 )
 def test_parse_errors(argv, message):
@@ -120,6 +122,19 @@ def test_openmpi_command():
     assert args[args.index("-H") + 1] == "a:1,b:1"
     assert "KERAS_DIST_JOB_ID=abc" in args and "KERAS_DIST_TIMELINE=/tmp/t l.json" in args
     assert args[-4:] == ["-np", "2", "python", "x.py"]
+
+
+def test_bind_to_core_reaches_mpiexec_and_none_is_the_default():
+    plain = kdrun_options.parse_args(["-np", "2", "python"], {})
+    bound = kdrun_options.parse_args(["-np", "2", "--bind-to", "core", "python"], {})
+    assert plain.bind_to == "none" and bound.bind_to == "core"
+    assert "-bind-to" not in mpiexec.build_command("mpiexec", "mpich", plain, {})
+    args = mpiexec.build_command("mpiexec", "mpich", bound, {})
+    assert args[args.index("-bind-to") + 1] == "core"
+    for options, what in ((plain, "none"), (bound, "core")):
+        for flavor in ("openmpi", "openmpi5"):  # Open MPI would bind 1 or 2 ranks itself
+            args = mpiexec.build_command("mpirun", flavor, options, {})
+            assert args[args.index("--bind-to") + 1] == what, (flavor, args)
 
 
 def test_openmpi_output_dir():
