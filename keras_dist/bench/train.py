@@ -191,6 +191,18 @@ def breakdown_row(step_ms: float, baseline_ms: float, wait_ms: float, move_ms: f
             f"+ moving {move_ms:6.2f} + host call, copies, Python {rest:6.2f}")
 
 
+def describe_cores(cores: Sequence[Sequence[int]]) -> str:
+    """Where the ranks may run, from each rank's CPU affinity (``cores[r]``):
+    pinned (``kdrun --bind-to core``) or not, which changes the results."""
+    if len({tuple(sorted(c)) for c in cores}) == 1 and len(cores[0]) > 1:
+        return f"not pinned (each rank may run on any of cores {_cpu_list(cores[0])})"
+    return "pinned: " + ", ".join(f"rank {r} on {_cpu_list(c)}" for r, c in enumerate(cores))
+
+
+def _cpu_list(cpus: Sequence[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
 def block_order(kinds: Sequence[str], iteration: int) -> list[str]:
     """The kinds' blocks in ``iteration``: in the given order, then with each pair
     swapped (plain 1 process / keras_dist size 1; N processes / N ranks), so
@@ -262,9 +274,11 @@ def run(args: argparse.Namespace) -> int:
         models["kd"] = _compiled(args.model, kd.DistributedOptimizer(keras.optimizers.SGD(0.01)),
                                  args.image_size)
     kinds = [k for k in ("single", "kd1", "independent", "kd") if k in models]
+    cores = kd.allgather_object(sorted(os.sched_getaffinity(0)))
     say(f"Model: {args.model} ({parameters / 1e6:.3f} M parameters), batch size "
         f"{args.batch_size} per rank, {size} rank(s), threads per rank "
         f"{args.threads or 'default'}, backend {keras.backend.backend()}")
+    say(f"Cores: {describe_cores(cores)}")
     say(f"Blocks of {args.num_batches_per_iter} steps, {args.num_iters} per kind, kinds "
         "alternating (each pair's order swapped every other iteration); img/sec per rank: "
         "mean +- 1.96 sd over blocks (median)")

@@ -27,6 +27,8 @@ def test_train_benchmark_reports_every_kind(np_, tmp_path):
         assert re.search(re.escape(kind) + r" +[\d.]+ \+- +[\d.]+ img/sec per rank", out), \
             result.describe()
     assert "np=1 overhead:" in out
+    assert re.search(r"^Cores: (not pinned|pinned: rank 0 on)", out, flags=re.M), \
+        result.describe()
     assert ("scaling efficiency:" in out) == (np_ == 2)
     if np_ == 2:
         for rank in range(2):

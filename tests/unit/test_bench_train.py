@@ -37,6 +37,14 @@ def test_ratios_and_breakdown():
     assert "baseline    8.00" in row and row.endswith("0.50")
 
 
+def test_cores_say_whether_the_ranks_are_pinned():
+    assert train.describe_cores([[0, 1], [1, 0]]) == \
+        "not pinned (each rank may run on any of cores 0,1)"
+    assert train.describe_cores([[0], [1]]) == "pinned: rank 0 on 0, rank 1 on 1"
+    assert train.describe_cores([[2, 3], [0, 1]]) == "pinned: rank 0 on 2,3, rank 1 on 0,1"
+    assert train.describe_cores([[0]]) == "pinned: rank 0 on 0"
+
+
 def test_block_order_swaps_each_pair_every_other_iteration():
     kinds = ["single", "kd1", "independent", "kd"]
     assert train.block_order(kinds, 0) == kinds
