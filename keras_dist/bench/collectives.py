@@ -236,9 +236,9 @@ def bandwidths(collective: str, size_bytes: int, seconds: float,
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype of a ``--dtype`` name (bfloat16 from ml_dtypes)."""
     if name == "bfloat16":
-        import ml_dtypes
+        from keras_dist import _vocab
 
-        return np.dtype(ml_dtypes.bfloat16)
+        return _vocab.bfloat16_dtype()
     if name not in DTYPE_NAMES:
         raise ValueError(f"`dtype` must be one of {DTYPE_NAMES}. Received: {name!r}")
     return np.dtype(name)
