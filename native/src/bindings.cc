@@ -120,27 +120,62 @@ size_t element_count(size_t nbytes, int dtype, const char* what) {
   return nbytes / esize;
 }
 
-void py_reduce_many(nb::handle dst_obj, nb::list src_objs, int dtype_code, int op_code) {
-  const kd::DType dtype = check_dtype(dtype_code);
-  const kd::Op op = check_op(op_code);
-  ByteBuffer dst(dst_obj, true, "dst");
-  std::vector<std::unique_ptr<ByteBuffer>> held;
+// The buffers of `src_objs`, each as many bytes as `dst_bytes` (held alive in `held`).
+std::vector<const void*> source_pointers(nb::list src_objs, size_t dst_bytes,
+                                         std::vector<std::unique_ptr<ByteBuffer>>& held) {
   std::vector<const void*> srcs;
   held.reserve(src_objs.size());
   for (size_t i = 0; i < src_objs.size(); ++i) {
     const std::string what = "srcs[" + std::to_string(i) + "]";
     held.emplace_back(new ByteBuffer(src_objs[i], false, what.c_str()));
-    if (held.back()->size() != dst.size()) {
+    if (held.back()->size() != dst_bytes) {
       throw nb::value_error((what + " must have as many bytes as `dst`. Received: " +
                              std::to_string(held.back()->size()) + " bytes, dst has " +
-                             std::to_string(dst.size()))
+                             std::to_string(dst_bytes))
                                 .c_str());
     }
     srcs.push_back(held.back()->data());
   }
+  return srcs;
+}
+
+void py_reduce_many(nb::handle dst_obj, nb::list src_objs, int dtype_code, int op_code) {
+  const kd::DType dtype = check_dtype(dtype_code);
+  const kd::Op op = check_op(op_code);
+  ByteBuffer dst(dst_obj, true, "dst");
+  std::vector<std::unique_ptr<ByteBuffer>> held;
+  const std::vector<const void*> srcs = source_pointers(src_objs, dst.size(), held);
   const size_t count = element_count(dst.size(), dtype_code, "dst");
   nb::gil_scoped_release release;
   kd::reduce_many(dst.data(), srcs.data(), srcs.size(), count, dtype, op);
+}
+
+// Tests: kd::reduce_finish (`copy` None: no copy).
+void py_reduce_finish(nb::handle dst_obj, nb::handle copy_obj, nb::list src_objs, int dtype_code,
+                      int op_code, int average_ranks) {
+  const kd::DType dtype = check_dtype(dtype_code);
+  const kd::Op op = check_op(op_code);
+  ByteBuffer dst(dst_obj, true, "dst");
+  std::unique_ptr<ByteBuffer> copy;
+  if (!copy_obj.is_none()) {
+    copy.reset(new ByteBuffer(copy_obj, true, "copy"));
+    if (copy->size() != dst.size()) {
+      throw nb::value_error(("`copy` must have as many bytes as `dst`. Received: " +
+                             std::to_string(copy->size()) + " bytes, dst has " +
+                             std::to_string(dst.size()))
+                                .c_str());
+    }
+  }
+  if (average_ranks < 0) {
+    throw nb::value_error(("`average_ranks` must be 0 (no average) or a number of ranks. "
+                           "Received: " + std::to_string(average_ranks)).c_str());
+  }
+  std::vector<std::unique_ptr<ByteBuffer>> held;
+  const std::vector<const void*> srcs = source_pointers(src_objs, dst.size(), held);
+  const size_t count = element_count(dst.size(), dtype_code, "dst");
+  nb::gil_scoped_release release;
+  kd::reduce_finish(dst.data(), copy ? copy->data() : nullptr, srcs.data(), srcs.size(), count,
+                    dtype, op, average_ranks);
 }
 
 void py_reduce_inplace(nb::handle dst_obj, nb::handle src_obj, int dtype_code, int op_code) {
@@ -1126,6 +1161,10 @@ NB_MODULE(_native, m) {
         nb::arg("op"),
         "dst[i] = op(srcs[0][i], ..., srcs[k-1][i]), combined left to right with one "
         "rounding for half types; dst may be one of the sources.");
+  m.def("_reduce_finish", &py_reduce_finish, nb::arg("dst"), nb::arg("copy").none(),
+        nb::arg("srcs"), nb::arg("dtype"), nb::arg("op"), nb::arg("average_ranks"),
+        "Tests only: reduce_many into `dst`, then averaged over `average_ranks` (0: not) "
+        "and copied into `copy` (None: not), in one pass where the kernel can.");
   m.def("simd_level", &kd::simd_level, "Kernel family in use: 'avx2' or 'baseline'.");
   m.def("_force_baseline", &kd::force_baseline, nb::arg("on"),
         "Tests only: use the baseline kernels even on an AVX2 CPU.");

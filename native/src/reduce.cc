@@ -212,6 +212,47 @@ KD_INLINE bool reduce_pair_direct(void* dst, const void* const* srcs, size_t nsr
 
 using Kernel = void (*)(void*, const void* const*, size_t, size_t);
 
+// reduce_finish in one pass: two aligned sources of a native float type into
+// `dst` and `copy`, scaled by 1/ranks as average_inplace scales (the factor
+// rounded to T once). Each element is read before either store, so `copy`
+// may be a source.
+template <class T, Op op>
+KD_INLINE bool finish_pair_direct(void* dst, void* copy, const void* const* srcs, size_t nsrcs,
+                                  size_t count, int ranks) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % alignof(T) == 0; };
+  if (nsrcs != 2 || !copy || !aligned(dst) || !aligned(copy) || !aligned(srcs[0]) ||
+      !aligned(srcs[1])) {
+    return false;
+  }
+  T* d = static_cast<T*>(dst);
+  T* c = static_cast<T*>(copy);
+  const T* a = static_cast<const T*>(srcs[0]);
+  const T* b = static_cast<const T*>(srcs[1]);
+  if (ranks > 0) {
+    const T factor = T(1.0 / double(ranks));
+    for (size_t i = 0; i < count; ++i) {
+      const T v = combine<op>(a[i], b[i]) * factor;
+      d[i] = v;
+      c[i] = v;
+    }
+  } else {
+    for (size_t i = 0; i < count; ++i) {
+      const T v = combine<op>(a[i], b[i]);
+      d[i] = v;
+      c[i] = v;
+    }
+  }
+  return true;
+}
+
+using FinishKernel = bool (*)(void*, void*, const void* const*, size_t, size_t, int);
+
+template <class T, Op op>
+bool finish_base(void* dst, void* copy, const void* const* srcs, size_t nsrcs, size_t count,
+                 int ranks) {
+  return finish_pair_direct<T, op>(dst, copy, srcs, nsrcs, count, ranks);
+}
+
 template <class T, Op op>
 void native_base(void* dst, const void* const* srcs, size_t nsrcs, size_t count) {
   if (reduce_pair_direct<T, op>(dst, srcs, nsrcs, count)) return;
@@ -269,6 +310,12 @@ KD_AVX2 void native_avx2(void* dst, const void* const* srcs, size_t nsrcs, size_
   reduce_blocks<NativeCodec<T>, op>(dst, srcs, nsrcs, count);
 }
 
+template <class T, Op op>
+KD_AVX2 bool finish_avx2(void* dst, void* copy, const void* const* srcs, size_t nsrcs,
+                         size_t count, int ranks) {
+  return finish_pair_direct<T, op>(dst, copy, srcs, nsrcs, count, ranks);
+}
+
 template <Op op>
 KD_AVX2 void f16_avx2(void* dst, const void* const* srcs, size_t nsrcs, size_t count) {
   reduce_blocks<HalfCodecF16C, op>(dst, srcs, nsrcs, count);
@@ -290,7 +337,14 @@ const Kernel kBaseline[kNumDTypes][kNumOps] = {
     KD_ROW(native_base, uint16_t,),
 };
 
+// One-pass reduce_finish kernels: float32, float64.
+const FinishKernel kFinishBaseline[2][kNumOps] = {KD_ROW(finish_base, float,),
+                                                  KD_ROW(finish_base, double,)};
+
 #if KD_X86
+const FinishKernel kFinishAvx2[2][kNumOps] = {KD_ROW(finish_avx2, float,),
+                                              KD_ROW(finish_avx2, double,)};
+
 const Kernel kAvx2[kNumDTypes][kNumOps] = {
     KD_ROW(f16_avx2, ), KD_ROW(bf16_avx2, ), KD_ROW(native_avx2, float,),
     KD_ROW(native_avx2, double,), KD_ROW(native_avx2, int32_t,), KD_ROW(native_avx2, int64_t,),
@@ -316,6 +370,13 @@ const Kernel (*kernel_table())[kNumOps] {
   return kBaseline;
 }
 
+const FinishKernel (*finish_table())[kNumOps] {
+#if KD_X86
+  if (!g_force_baseline.load(std::memory_order_relaxed) && cpu_has_avx2()) return kFinishAvx2;
+#endif
+  return kFinishBaseline;
+}
+
 }  // namespace
 
 size_t dtype_size(int code) {
@@ -339,6 +400,19 @@ void reduce_many(void* dst, const void* const* srcs, size_t nsrcs, size_t count,
                  Op op) {
   if (nsrcs == 0 || count == 0) return;
   kernel_table()[int(dtype)][int(op)](dst, srcs, nsrcs, count);
+}
+
+void reduce_finish(void* dst, void* copy, const void* const* srcs, size_t nsrcs, size_t count,
+                   DType dtype, Op op, int average_ranks) {
+  if (nsrcs == 0 || count == 0) return;
+  if ((dtype == DType::kFloat32 || dtype == DType::kFloat64) &&
+      finish_table()[dtype == DType::kFloat64][int(op)](dst, copy, srcs, nsrcs, count,
+                                                          average_ranks)) {
+    return;
+  }
+  reduce_many(dst, srcs, nsrcs, count, dtype, op);
+  if (average_ranks > 0) average_inplace(dst, count, dtype, average_ranks);
+  if (copy && copy != dst) std::memcpy(copy, dst, count * dtype_size(int(dtype)));
 }
 
 void reduce_inplace(void* dst, const void* src, size_t count, DType dtype, Op op) {

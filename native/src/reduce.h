@@ -50,6 +50,14 @@ void reduce_inplace(void* dst, const void* src, size_t count, DType dtype, Op op
 // bfloat16 computed in float32, rounded once), integers floor-divided by ranks.
 void average_inplace(void* buf, size_t count, DType dtype, int ranks);
 
+// reduce_many into `dst`, then, when `average_ranks` > 0, average_inplace's
+// scaling by it, and, when `copy` is not null, the same result into `copy` too:
+// bit for bit what the three calls in turn would write. float32 and float64
+// from two aligned sources take one pass; other cases make the three calls.
+// `copy` may be a source (exactly), not `dst`.
+void reduce_finish(void* dst, void* copy, const void* const* srcs, size_t nsrcs, size_t count,
+                   DType dtype, Op op, int average_ranks);
+
 // Name of the kernel family in use: "avx2" or "baseline".
 const char* simd_level();
 // Tests only: use the baseline kernels even when the CPU has AVX2.

@@ -1027,8 +1027,8 @@ bool ShmEngine::allreduce_parts(const std::vector<Part>& parts, DType dtype, Op 
   check_headers();
   // Step 2: this rank's share, from the peers' slots and its own sources, in
   // rank order as every path reduces; a piece at a time while it is in L1:
-  // reduced into the slot, averaged there, then copied into this rank's own
-  // destination (so step 3 copies only the peers' shares).
+  // reduced (and averaged) into the slot and this rank's own destination at
+  // once (so step 3 copies only the peers' shares).
   at = 0;
   for (const Part& part : parts) {
     const size_t end = at + part.nbytes;
@@ -1039,9 +1039,8 @@ bool ShmEngine::allreduce_parts(const std::vector<Part>& parts, DType dtype, Op 
       const size_t y = std::min(b, x + kL1PieceBytes);
       for (int p = 0; p < n_; ++p) srcs_[size_t(p)] = data(p, next_buf_) + x;
       srcs_[size_t(me_)] = src + (x - at);
-      reduce_many(mine + x, srcs_.data(), size_t(n_), (y - x) / esize, dtype, op);
-      if (average) average_inplace(mine + x, (y - x) / esize, dtype, n_);
-      std::memcpy(dst + (x - at), mine + x, y - x);
+      reduce_finish(mine + x, dst + (x - at), srcs_.data(), size_t(n_), (y - x) / esize, dtype,
+                    op, average ? n_ : 0);
     }
     at = end;
   }

@@ -101,6 +101,49 @@ def test_reduce_many_rounds_once(code, op, nsrcs):
     assert same_bits(sources[-1], dst)
 
 
+FINISH_CASES = [(op, nsrcs, ranks) for op in OPS for nsrcs in (1, 2, 3)
+                for ranks in ((0, 2, 3) if op == _dtypes.SUM else (0,))]
+
+
+@pytest.mark.parametrize(("op", "nsrcs", "average_ranks"), FINISH_CASES)
+@pytest.mark.parametrize("code", list(DTYPES))
+def test_reduce_finish_writes_the_finished_reduction_into_both_buffers(code, op, nsrcs,
+                                                                        average_ranks):
+    dtype = DTYPES[code]
+    rng = np.random.default_rng(code * 1000 + op * 100 + nsrcs * 10 + average_ranks)
+    sources = [random_array(rng, dtype, 4099, op) for _ in range(nsrcs)]
+    expected = reference(sources, dtype, op)
+    if average_ranks:
+        _dtypes.finish_reduction(expected, _dtypes.ReduceOp.AVERAGE, average_ranks)
+    u8 = [s.view(np.uint8) for s in sources]
+    dst, copy = np.full_like(expected, 3), np.full_like(expected, 5)
+    _native._reduce_finish(dst.view(np.uint8), copy.view(np.uint8), u8, code, op, average_ranks)
+    assert same_bits(dst, expected) and same_bits(copy, expected)
+    # Without a copy, only the destination is written.
+    dst[:] = 3
+    _native._reduce_finish(dst.view(np.uint8), None, u8, code, op, average_ranks)
+    assert same_bits(dst, expected)
+    # Buffers off their element alignment take the three-step path, to the same bits.
+    raw = np.zeros(2 * expected.nbytes + 2, np.uint8)
+    odd_dst, odd_copy = raw[1:1 + expected.nbytes], raw[expected.nbytes + 2:]
+    _native._reduce_finish(odd_dst, odd_copy, u8, code, op, average_ranks)
+    assert np.array_equal(odd_dst, expected.view(np.uint8))
+    assert np.array_equal(odd_copy, expected.view(np.uint8))
+    # The copy may be one of the sources (as an in-place allreduce's destination is).
+    _native._reduce_finish(dst.view(np.uint8), u8[-1], u8, code, op, average_ranks)
+    assert same_bits(dst, expected) and same_bits(sources[-1], expected)
+
+
+def test_reduce_finish_rejects_a_copy_of_another_size_and_negative_ranks():
+    a = np.ones(8, np.float32)
+    with pytest.raises(ValueError, match="`copy` must have as many bytes as `dst`"):
+        _native._reduce_finish(a.view(np.uint8), np.ones(4, np.float32).view(np.uint8),
+                               [a.view(np.uint8)], _dtypes.FLOAT32, _dtypes.SUM, 0)
+    with pytest.raises(ValueError, match="`average_ranks` must be 0"):
+        _native._reduce_finish(a.view(np.uint8), None, [a.view(np.uint8)], _dtypes.FLOAT32,
+                               _dtypes.SUM, -1)
+
+
 @pytest.mark.parametrize("code", [_dtypes.FLOAT16, _dtypes.BFLOAT16])
 def test_half_conversions_are_exact_for_every_bit_pattern(code):
     dtype = DTYPES[code]
