@@ -15,7 +15,7 @@ train step (from the last callback's ``on_train_batch_begin`` to the first
 callback's ``on_train_batch_end``, so no callback work is counted); the
 timeline gives the duration of every gradient allreduce on rank 0 (the
 ``allreduce`` events: fusion pack, the transport, unpack, including any wait
-for the other rank; not TensorFlow's hand-over through ``tf.numpy_function``).
+for the other rank; not TensorFlow's hand-over to the op).
 The first ``--warmup`` steps and allreduces are dropped; each run gives
 medians (and 10th percentiles, p10); the table shows the median over repeats
 of those, then each run's values. "vs 1 rank" is the step time minus the 1-rank step time: all a

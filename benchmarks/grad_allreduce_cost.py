@@ -5,8 +5,9 @@
 Every rank makes TF tensors shaped like the trainable variables of a
 ``keras_dist.bench train`` model (random values, float32), and times a
 ``tf.function`` that does what ``DistributedOptimizer`` does inside ``fit``:
-``kd.grouped_allreduce`` of the tensors (Average; one ``tf.numpy_function``
-op), then reads every result once (``tf.reduce_sum``, as the optimizer's
+``kd.grouped_allreduce`` of the tensors (Average; one op: keras_dist's
+``KerasDistAllreduce``, or ``tf.numpy_function`` with ``KERAS_DIST_TF_OP=0``),
+then reads every result once (``tf.reduce_sum``, as the optimizer's
 update would). ``--reps`` barrier-started blocks of ``--calls`` calls; a
 block's time per call is the slowest rank's; rank 0 prints the median and
 the fastest block, and the time of the same function without the allreduce

@@ -16,6 +16,10 @@ blocks after a barrier and 3 untimed steps: plain Keras (``plain``),
 rank's median step (over blocks) of each and the difference. Both
 keras_dist models must end with the same weights on every rank (checked,
 float64 sums of every variable; a mismatch exits 1).
+
+It measures the ``tf.numpy_function`` path (``KERAS_DIST_TF_OP=0``, set
+here), where the layout applies; keras_dist's own op (the default since
+2026-12-05) hands every gradient over as its own output without that cost.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["KERAS_DIST_TF_OP"] = "0"  # the path this script measures (see above)
 
 import _blocks  # noqa: E402  (this folder's shared pieces)
 

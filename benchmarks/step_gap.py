@@ -21,6 +21,11 @@ for the slowest rank, moving the gradients. The replaced models train on
 their own gradients, the real one on the average: at the end, the real
 model's weights must be equal on every rank (checked, float64 sums of every
 variable; a mismatch exits 1).
+
+It measures the ``tf.numpy_function`` path (``KERAS_DIST_TF_OP=0``, set
+here): the replacements below hook that path's Python, which keras_dist's
+own op (the default since 2026-12-05) never enters. The op's steps are
+broken down by ``python -m keras_dist.bench train --breakdown``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["KERAS_DIST_TF_OP"] = "0"  # the path this script measures (see above)
 
 import _blocks  # noqa: E402  (this folder's shared pieces)
 
