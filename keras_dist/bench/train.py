@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -191,12 +192,26 @@ def breakdown_row(step_ms: float, baseline_ms: float, wait_ms: float, move_ms: f
             f"+ moving {move_ms:6.2f} + host call, copies, Python {rest:6.2f}")
 
 
-def describe_cores(cores: Sequence[Sequence[int]]) -> str:
-    """Where the ranks may run, from each rank's CPU affinity (``cores[r]``):
-    pinned (``kdrun --bind-to core``) or not, which changes the results."""
-    if len({tuple(sorted(c)) for c in cores}) == 1 and len(cores[0]) > 1:
-        return f"not pinned (each rank may run on any of cores {_cpu_list(cores[0])})"
-    return "pinned: " + ", ".join(f"rank {r} on {_cpu_list(c)}" for r, c in enumerate(cores))
+def describe_cores(cores: Sequence[Sequence[int]], host_cpus: Sequence[int],
+                   hosts: Sequence[str]) -> str:
+    """Where the ranks may run, from each rank's CPU affinity (``cores[r]``),
+    its host's CPU count (``host_cpus[r]``) and its host (``hosts[r]``):
+    pinned (``kdrun --bind-to core``) or not, which changes the results. A
+    rank is pinned when its affinity leaves out some of its host's CPUs and no
+    other rank of its host has the same affinity (ranks of a container limited
+    to some CPUs share them: not pinned)."""
+    sets = [tuple(sorted(c)) for c in cores]
+    shared = [sum(1 for t, h in zip(sets, hosts) if t == sets[r] and h == hosts[r]) > 1
+              for r in range(len(sets))]
+    pinned = [len(c) < n and not s for c, n, s in zip(sets, host_cpus, shared)]
+    if not any(pinned):
+        if len(set(sets)) == 1:
+            return f"not pinned (each rank may run on any of cores {_cpu_list(sets[0])})"
+        return "not pinned (each rank may run on any core of its host)"
+    where = ", ".join(f"rank {r} on {_cpu_list(c)}" if p else
+                      f"rank {r} on any of {_cpu_list(c)}"
+                      for r, (c, p) in enumerate(zip(sets, pinned)))
+    return ("pinned: " if all(pinned) else "partly pinned: ") + where
 
 
 def _cpu_list(cpus: Sequence[int]) -> str:
@@ -274,11 +289,13 @@ def run(args: argparse.Namespace) -> int:
         models["kd"] = _compiled(args.model, kd.DistributedOptimizer(keras.optimizers.SGD(0.01)),
                                  args.image_size)
     kinds = [k for k in ("single", "kd1", "independent", "kd") if k in models]
-    cores = kd.allgather_object(sorted(os.sched_getaffinity(0)))
+    affinity = sorted(os.sched_getaffinity(0))
+    placement = kd.allgather_object((affinity, os.cpu_count() or len(affinity),
+                                     socket.gethostname()))
     say(f"Model: {args.model} ({parameters / 1e6:.3f} M parameters), batch size "
         f"{args.batch_size} per rank, {size} rank(s), threads per rank "
         f"{args.threads or 'default'}, backend {keras.backend.backend()}")
-    say(f"Cores: {describe_cores(cores)}")
+    say(f"Cores: {describe_cores(*zip(*placement))}")
     say(f"Blocks of {args.num_batches_per_iter} steps, {args.num_iters} per kind, kinds "
         "alternating (each pair's order swapped every other iteration); img/sec per rank: "
         "mean +- 1.96 sd over blocks (median)")

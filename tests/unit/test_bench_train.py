@@ -38,11 +38,28 @@ def test_ratios_and_breakdown():
 
 
 def test_cores_say_whether_the_ranks_are_pinned():
-    assert train.describe_cores([[0, 1], [1, 0]]) == \
+    one_host = ["a", "a"]
+    assert train.describe_cores([[0, 1], [1, 0]], [2, 2], one_host) == \
         "not pinned (each rank may run on any of cores 0,1)"
-    assert train.describe_cores([[0], [1]]) == "pinned: rank 0 on 0, rank 1 on 1"
-    assert train.describe_cores([[2, 3], [0, 1]]) == "pinned: rank 0 on 2,3, rank 1 on 0,1"
-    assert train.describe_cores([[0]]) == "pinned: rank 0 on 0"
+    assert train.describe_cores([[0], [1]], [2, 2], one_host) == \
+        "pinned: rank 0 on 0, rank 1 on 1"
+    assert train.describe_cores([[2, 3], [0, 1]], [4, 4], one_host) == \
+        "pinned: rank 0 on 2,3, rank 1 on 0,1"
+    assert train.describe_cores([[0]], [2], ["a"]) == "pinned: rank 0 on 0"
+    # One core is all a one-core machine has: not pinned.
+    assert train.describe_cores([[0]], [1], ["a"]) == \
+        "not pinned (each rank may run on any of cores 0)"
+    # A container limited to cores 2,3 of 8: the ranks share them.
+    assert train.describe_cores([[2, 3], [3, 2]], [8, 8], one_host) == \
+        "not pinned (each rank may run on any of cores 2,3)"
+    # Two hosts of different sizes, neither rank restricted.
+    assert train.describe_cores([[0, 1], [0, 1, 2, 3]], [2, 4], ["a", "b"]) == \
+        "not pinned (each rank may run on any core of its host)"
+    # The same core on two hosts is two cores.
+    assert train.describe_cores([[0], [0]], [2, 2], ["a", "b"]) == \
+        "pinned: rank 0 on 0, rank 1 on 0"
+    assert train.describe_cores([[0], [0, 1]], [2, 2], one_host) == \
+        "partly pinned: rank 0 on 0, rank 1 on any of 0,1"
 
 
 def test_block_order_swaps_each_pair_every_other_iteration():
