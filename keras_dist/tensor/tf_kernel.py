@@ -3,8 +3,9 @@
 ``KerasDistAllreduce`` (``native/src/tf_kernel.cc``, loaded with
 ``tf.load_op_library``) hands its input and output buffers to the native
 module, which reduces each bucket with the shm engine straight from
-TensorFlow's inputs into the outputs (memory the op reuses from step to
-step). Nothing runs in Python on a good step but one count in ``COUNTERS``
+TensorFlow's inputs into the outputs: each input's own buffer where
+TensorFlow lets the op reuse it (a fresh gradient), else memory the op reuses
+from step to step. Nothing runs in Python on a good step but one count in ``COUNTERS``
 (and, while a timeline records, the collective's span). The
 ``tf.numpy_function`` op it replaces cost 0.2-0.9 ms a step in TensorFlow's
 hand-over to Python (``benchmarks/tf_op_ab.py``).
@@ -57,6 +58,18 @@ def library():
     except (tf.errors.OpError, OSError):
         return None
     return loaded if hasattr(loaded, "keras_dist_allreduce") else None
+
+
+def forwarded_outputs() -> int:
+    """How many of the op's outputs in this process were their inputs' buffers
+    (the allreduce ran in place); 0 where the library is not loaded."""
+    import ctypes
+
+    if library() is None:
+        return 0
+    count = ctypes.CDLL(os.path.join(os.path.dirname(_native.__file__), _OP_LIBRARY))
+    count.keras_dist_tf_forwarded_outputs.restype = ctypes.c_int64
+    return int(count.keras_dist_tf_forwarded_outputs())
 
 
 def status_of(error: BaseException, mismatch_class: type) -> tuple[int, str]:

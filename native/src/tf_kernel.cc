@@ -12,6 +12,11 @@
 // function of keras_dist._native (`entry`, an address) and a plan registered
 // there (`plan`): the kernel hands the entry its inputs and outputs as raw
 // buffers, and turns a failure into the op's status.
+//
+// An output is its input's buffer wherever TensorFlow lets the op reuse it
+// (the input has no other reader, as a step's fresh gradients): the
+// allreduce then runs in place, with nothing written to memory the step has
+// not just touched. Elsewhere the outputs live in regions the op keeps.
 #include <dlfcn.h>
 
 #include <atomic>
@@ -19,6 +24,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <type_traits>
 #include <vector>
@@ -79,6 +85,9 @@ struct Api {
                           void (*)(void*, size_t, void*), void*);
   TF_Tensor* (*AllocateOutput)(TF_OpKernelContext*, int, TF_DataType, const int64_t*, int, size_t,
                                TF_Status*);
+  // Optional (TensorFlow 2.4+): without it, no output reuses its input.
+  TF_Tensor* (*ForwardInputOrAllocateOutput)(TF_OpKernelContext*, const int*, int, int,
+                                             const int64_t*, int, int*, TF_Status*);
 };
 
 Api api;
@@ -126,6 +135,9 @@ bool load_api() {
   get(api.TensorType, "TF_TensorType");
   get(api.NewTensor, "TF_NewTensor");
   get(api.AllocateOutput, "TF_AllocateOutput");
+  api.ForwardInputOrAllocateOutput =
+      reinterpret_cast<decltype(api.ForwardInputOrAllocateOutput)>(
+          dlsym(lib, "TF_ForwardInputOrAllocateOutput"));
   dlclose(lib);  // the process keeps TensorFlow loaded
   return ok;
 }
@@ -165,11 +177,23 @@ void release_output(void*, size_t, void* region) { release(static_cast<Region*>(
 // output is then TensorFlow's own allocation.
 constexpr size_t kMaxRegions = 4;
 
+// Outputs made from their own inputs, in this process (tests read it).
+std::atomic<int64_t> g_forwarded{0};
+
 struct Kernel {
   int64_t plan = 0;
   Entry entry = nullptr;
-  std::mutex mutex;  // guards `regions`
+  std::mutex mutex;  // guards `regions` and the making of `refused`
   std::vector<Region*> regions;
+  // Per input: TensorFlow once refused to hand its buffer over (and allocated
+  // the output instead); from then on that output lives in a region.
+  std::unique_ptr<std::atomic<bool>[]> refused;
+
+  std::atomic<bool>* refusals(int count) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!refused) refused.reset(new std::atomic<bool>[size_t(count)]());
+    return refused.get();
+  }
 
   ~Kernel() {
     for (Region* region : regions) release(region);
@@ -241,22 +265,49 @@ void compute(void* opaque, TF_OpKernelContext* ctx) {
   srcs.assign(size_t(count), nullptr);
   dsts.assign(size_t(count), nullptr);
   nbytes.assign(size_t(count), 0);
+  thread_local std::vector<char> made_output;
+  made_output.assign(size_t(count), 0);
   static char empty[kAlign];  // where a part of no bytes points
+  std::atomic<bool>* refused = count ? kernel.refusals(count) : nullptr;
   size_t total = 0;
-  int outputs = 0;  // those of one byte or more
+  int outputs = 0;  // those of one byte or more still to make in a region
   for (int i = 0; i < count && api.GetCode(status) == 0; ++i) {
     api.GetInput(ctx, i, &inputs[size_t(i)], status);
     if (api.GetCode(status) != 0) break;
-    nbytes[size_t(i)] = api.TensorByteSize(inputs[size_t(i)]);
-    srcs[size_t(i)] = nbytes[size_t(i)] ? api.TensorData(inputs[size_t(i)]) : empty;
-    total += aligned(nbytes[size_t(i)]);
-    outputs += nbytes[size_t(i)] ? 1 : 0;
+    TF_Tensor* in = inputs[size_t(i)];
+    const size_t n = nbytes[size_t(i)] = api.TensorByteSize(in);
+    srcs[size_t(i)] = n ? api.TensorData(in) : empty;
+    if (n && api.ForwardInputOrAllocateOutput && !refused[i].load(std::memory_order_relaxed)) {
+      // The context's reference must be the input's only one: drop ours (the
+      // context keeps the buffer alive until the op ends).
+      const int rank = api.NumDims(in);
+      dims.resize(size_t(rank));
+      for (int d = 0; d < rank; ++d) dims[size_t(d)] = api.Dim(in, d);
+      api.DeleteTensor(in);
+      inputs[size_t(i)] = nullptr;
+      int forwarded = -1;
+      TF_Tensor* out = api.ForwardInputOrAllocateOutput(ctx, &i, 1, i, dims.data(), rank,
+                                                        &forwarded, status);
+      if (!out) break;  // status says why
+      dsts[size_t(i)] = api.TensorData(out);
+      api.DeleteTensor(out);  // the context holds the output
+      made_output[size_t(i)] = 1;
+      if (forwarded == i) {
+        g_forwarded.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        refused[i].store(true, std::memory_order_relaxed);
+      }
+      continue;
+    }
+    total += aligned(n);
+    outputs += n ? 1 : 0;
   }
   Region* region =
       api.GetCode(status) == 0 && total ? kernel.take_region(total, outputs) : nullptr;
   size_t offset = 0;
   int made = 0;  // outputs made in `region`
   for (int i = 0; i < count && api.GetCode(status) == 0; ++i) {
+    if (made_output[size_t(i)]) continue;
     TF_Tensor* in = inputs[size_t(i)];
     const int rank = api.NumDims(in);
     dims.resize(size_t(rank));
@@ -319,3 +370,8 @@ struct Registration {
 Registration registration;
 
 }  // namespace
+
+// How many of the op's outputs so far were their inputs' buffers (tests).
+extern "C" __attribute__((visibility("default"))) int64_t keras_dist_tf_forwarded_outputs() {
+  return g_forwarded.load(std::memory_order_relaxed);
+}

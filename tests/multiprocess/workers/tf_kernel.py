@@ -101,6 +101,39 @@ def test_the_numpy_path_gives_the_same_bits():
         assert a.tobytes() == b.tobytes()
 
 
+def test_fresh_inputs_are_reduced_in_place_and_inputs_read_elsewhere_are_kept():
+    from keras_dist.tensor import tf_kernel
+
+    @tf.function
+    def fresh(xs):
+        return kd.grouped_allreduce([x + x for x in xs], op=kd.Average)
+
+    @tf.function
+    def shared(xs):
+        doubled = [x + x for x in xs]
+        return kd.grouped_allreduce(doubled, op=kd.Average), doubled
+
+    def doubled_reference(step):
+        return [2 * w for w in reference(step, kd.Average)]
+
+    before = tf_kernel.forwarded_outputs()
+    for k in range(3):
+        check(fresh([tf.constant(a) for a in data(RANK, 20 + k)]), doubled_reference(20 + k),
+              "in place average")
+    nonempty = sum(1 for shape, _ in SPECS if np.prod(shape, dtype=int) > 0)
+    assert tf_kernel.forwarded_outputs() - before == 3 * nonempty, (
+        tf_kernel.forwarded_outputs() - before, nonempty)
+    # The step reads its inputs after the op: the op must leave them as they were.
+    before = tf_kernel.forwarded_outputs()
+    for k in range(3):
+        mine = data(RANK, 30 + k)
+        reduced, inputs = shared([tf.constant(a) for a in mine])
+        check(reduced, doubled_reference(30 + k), "kept inputs average")
+        for a, kept in zip(mine, inputs):
+            assert np.array_equal(kept.numpy(), a + a), "an input read after the op changed"
+    assert tf_kernel.forwarded_outputs() == before
+
+
 def test_mismatched_shapes_fail_on_every_rank_and_the_job_goes_on():
     @tf.function
     def step(xs):
