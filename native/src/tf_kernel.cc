@@ -153,8 +153,8 @@ constexpr size_t kAlign = 64;  // TensorFlow's alignment for CPU tensors
 size_t aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 // Memory the outputs that cannot reuse their inputs live in, one region per
-// step, reused once TensorFlow has released every output made in it. A fresh TensorFlow
-// allocation per step measured slower: the C library returns large freed
+// step, reused once TensorFlow has released every output made in it. A fresh
+// TensorFlow allocation per step measured slower: the C library returns large freed
 // blocks to the system, and each step faulted its pages in again (about a
 // thousand page faults a step for a 2.7 MB model, +1-3 ms). `refs` counts the
 // outputs alive plus one for the pool; the last release frees the region.
@@ -265,8 +265,6 @@ void compute(void* opaque, TF_OpKernelContext* ctx) {
   srcs.assign(size_t(count), nullptr);
   dsts.assign(size_t(count), nullptr);
   nbytes.assign(size_t(count), 0);
-  thread_local std::vector<char> made_output;
-  made_output.assign(size_t(count), 0);
   static char empty[kAlign];  // where a part of no bytes points
   std::atomic<bool>* refused = count ? kernel.refusals(count) : nullptr;
   size_t total = 0;
@@ -291,7 +289,6 @@ void compute(void* opaque, TF_OpKernelContext* ctx) {
       if (!out) break;  // status says why
       dsts[size_t(i)] = api.TensorData(out);
       api.DeleteTensor(out);  // the context holds the output
-      made_output[size_t(i)] = 1;
       if (forwarded == i) {
         g_forwarded.fetch_add(1, std::memory_order_relaxed);
       } else {
@@ -307,7 +304,7 @@ void compute(void* opaque, TF_OpKernelContext* ctx) {
   size_t offset = 0;
   int made = 0;  // outputs made in `region`
   for (int i = 0; i < count && api.GetCode(status) == 0; ++i) {
-    if (made_output[size_t(i)]) continue;
+    if (dsts[size_t(i)]) continue;  // made above, from its input
     TF_Tensor* in = inputs[size_t(i)];
     const int rank = api.NumDims(in);
     dims.resize(size_t(rank));
