@@ -207,8 +207,9 @@ def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
             else:
                 members = [arrays[i] for i in bucket]
                 results = [outputs[i] for i in bucket]
-            if not (reduce_parts and _allreduce_parts(transport, members, results, op, described,
-                                                      group.size)):
+            if reduce_parts:
+                _allreduce_parts(transport, members, results, op, described, group.size)
+            else:
                 _reduce_fused(transport, members, results, op, described, group.size, prescale,
                               postscale)
             COUNTERS["allreduce"] += 1
@@ -244,18 +245,13 @@ def _unpack_finished(flat: np.ndarray, members: list[np.ndarray], results: list[
 
 
 def _allreduce_parts(transport, members: list[np.ndarray], results: list[np.ndarray],
-                     op: ReduceOp, described: str, size: int) -> bool:
-    """The allreduce of one bucket by ``transport.allreduce_parts`` into ``results``.
-
-    Returns False, with nothing exchanged, when the bucket does not fit the
-    transport's buffer (the caller then fuses it as usual).
-    """
+                     op: ReduceOp, described: str, size: int) -> None:
+    """The allreduce of one bucket by ``transport.allreduce_parts`` into ``results``."""
     code = _vocab.TRANSPORT_OPS[op]
     try:
-        return transport.allreduce_parts(members, results, code, op is Average, described)
+        transport.allreduce_parts(members, results, code, op is Average, described)
     except CollectiveMismatchError as error:
         _parts_mismatched(transport, error, members, results, op, described, size)
-        return True
 
 
 def _parts_mismatched(transport, error: CollectiveMismatchError, members: list[np.ndarray],
@@ -305,10 +301,6 @@ def _graph_kernel(op: ReduceOp, prescale: float, postscale: float, label: str, g
             members = tf_kernel.as_arrays(srcs, *kinds)
             results = tf_kernel.as_arrays(dsts, *kinds)
             try:
-                if error is None:  # larger than the shared buffer
-                    _reduce_fused(transport, members, results, op, described, group.size,
-                                  1.0, 1.0)
-                    return None
                 if isinstance(error, _NATIVE_ERRORS):
                     error = _translate(error)
                 if not isinstance(error, CollectiveMismatchError):

@@ -10,11 +10,10 @@ from step to step. Nothing runs in Python on a good step but one count in ``COUN
 ``tf.numpy_function`` op it replaces cost 0.2-0.9 ms a step in TensorFlow's
 hand-over to Python (``benchmarks/tf_op_ab.py``).
 
-What the engine cannot do goes to the fallback ``ops`` gives for that
-bucket, in Python, as the numpy path does it (``ops._reduce_fused``,
-``ops._parts_mismatched``): a bucket larger than the shared buffer, ranks
-that have joined, an error (the op's status: a ``CollectiveMismatchError``
-as FAILED_PRECONDITION, as on the numpy path).
+A bucket the engine raises on goes to the fallback ``ops`` gives for that
+bucket, in Python, as the numpy path does it (``ops._parts_mismatched``):
+ranks that have joined, or an error (the op's status: a
+``CollectiveMismatchError`` as FAILED_PRECONDITION, as on the numpy path).
 
 Used when the op library loads (it is built with the native module, without
 TensorFlow), the group runs on the shm engine, the call reduces with no

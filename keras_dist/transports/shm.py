@@ -158,14 +158,13 @@ class ShmTransport(Transport):
             raise translate(exc) from None
 
     def allreduce_parts(self, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray], op: int,
-                        average: bool = False, name: str | None = None) -> bool:
+                        average: bool = False, name: str | None = None) -> None:
         """Allreduce of ``srcs`` (arrays of one dtype) as one fused message into ``dsts``.
 
         Without a fused buffer: the engine reads the sources in place and
         writes the results straight into ``dsts`` (arrays shaped like
-        ``srcs``). ``average`` turns a Sum into an Average (as
-        ``_vocab.finishing_scale``). Returns False, with nothing exchanged,
-        when the message does not fit one shared buffer.
+        ``srcs``), a message larger than one shared buffer in windows.
+        ``average`` turns a Sum into an Average (as ``_vocab.finishing_scale``).
         """
         dtype = srcs[0].dtype
         code = self._codes.get(dtype.num)
@@ -175,7 +174,7 @@ class ShmTransport(Transport):
         # are, and numpy scalars (what tf.numpy_function hands over for a 0-d
         # tensor) as 0-d arrays; lists (subclasses too) without a copy.
         try:
-            return self._open_engine().allreduce_parts(
+            self._open_engine().allreduce_parts(
                 srcs if isinstance(srcs, list) else list(srcs),
                 dsts if isinstance(dsts, list) else list(dsts), code, op, average, name)
         except NATIVE_ERRORS as exc:

@@ -265,7 +265,7 @@ void engine_allreduce(kd::ShmEngine& engine, nb::handle buf_obj, int dtype_code,
   engine.allreduce(buf.data(), buf.size(), dtype, op, text, send ? send->data() : nullptr);
 }
 
-bool engine_allreduce_parts(kd::ShmEngine& engine, nb::list srcs, nb::list dsts, int dtype_code,
+void engine_allreduce_parts(kd::ShmEngine& engine, nb::list srcs, nb::list dsts, int dtype_code,
                             int op_code, bool average, nb::handle name) {
   const kd::DType dtype = check_dtype(dtype_code);
   const kd::Op op = check_op(op_code);
@@ -320,7 +320,7 @@ bool engine_allreduce_parts(kd::ShmEngine& engine, nb::list srcs, nb::list dsts,
   }
   const std::string_view text = name_text(name);
   nb::gil_scoped_release release;
-  return engine.allreduce_parts(parts, dtype, op, average, text);
+  engine.allreduce_parts(parts, dtype, op, average, text);
 }
 
 void engine_broadcast(kd::ShmEngine& engine, nb::handle buf_obj, int root, nb::handle name) {
@@ -903,10 +903,9 @@ nb::object dispatch_allgather(nb::handle x, nb::handle label) {
 // number of a plan made when the step was traced (keras_dist/tensor/tf_kernel.py):
 // the buckets keras_dist/tensor/ops.py `_allreduce_plan` made, each reduced by
 // ShmEngine::allreduce_parts straight from TensorFlow's inputs into its
-// outputs, with no Python. Whatever that cannot do (a bucket larger than the
-// shared buffer, an error from the engine, ranks that have joined) goes to
-// the plan's Python `fallback` for that bucket, which does what the Python
-// path does in that case. The call is counted in COUNTERS, and recorded by
+// outputs, with no Python. A bucket the engine raises on (ranks that have
+// joined, a mismatch, a failed peer) goes to the plan's Python `fallback`
+// for that bucket, which does what the Python path does with that error. The call is counted in COUNTERS, and recorded by
 // the plan's `record` when a timeline records, as the Python path does.
 
 // The Python classes of the engine's errors (set when the module loads).
@@ -996,15 +995,10 @@ class TfPlan {
       for (size_t i : bucket.members) {
         parts.push_back({srcs[i], dsts[i], nbytes[i]});
       }
-      std::exception_ptr failure;
-      bool done = false;
       try {
-        done = engine_->allreduce_parts(parts, bucket.dtype, op_, average_, bucket.name);
+        engine_->allreduce_parts(parts, bucket.dtype, op_, average_, bucket.name);
       } catch (...) {
-        failure = std::current_exception();
-      }
-      if (!done) {
-        const int code = fall_back(b, failure, srcs, dsts, message);
+        const int code = fall_back(b, std::current_exception(), srcs, dsts, message);
         if (code != 0) return code;
       }
     }
@@ -1075,14 +1069,13 @@ class TfPlan {
   }
 
   // Bucket `b` by the Python fallback: fallback(b, srcs, dsts, error), the
-  // buffers as 1-D uint8 arrays, error None (the bucket did not fit the
-  // shared buffer) or the engine's error; it returns None, or (code, message)
-  // for the op's status.
+  // buffers as 1-D uint8 arrays, error the engine's error as Python's; it
+  // returns None, or (code, message) for the op's status.
   int fall_back(size_t b, std::exception_ptr failure, const void* const* srcs_in,
                 void* const* dsts_in, std::string& message) {
     nb::gil_scoped_acquire acquire;
     try {
-      nb::object error = failure ? python_error_of(failure) : nb::none();
+      nb::object error = python_error_of(failure);
       failure = nullptr;  // a held python_error is released with the GIL
       nb::list srcs, dsts;
       for (size_t i : buckets_[b].members) {
@@ -1260,8 +1253,8 @@ NB_MODULE(_native, m) {
            nb::arg("name") = nb::none(),
            "Allreduce of a message made of the 1-D arrays `srcs` end to end into `dsts` "
            "(same sizes; a destination may be its source), without a fused buffer; "
-           "`average` divides as an Average does. False, with nothing exchanged, when the "
-           "message is larger than buffer_bytes.")
+           "`average` divides as an Average does; a message larger than buffer_bytes "
+           "goes in windows.")
       .def("allreduce_array", &engine_allreduce_array, nb::arg("x"), nb::arg("op"),
            nb::arg("name") = nb::none(),
            "kd.allreduce of a small C-contiguous numpy array in one call: a new array, or "

@@ -34,7 +34,8 @@
 //   arrays (a training step's gradients): the same two steps as one chunk of
 //   the chunked path, except that a rank copies only its peers' shares into
 //   its slot, reduces its own share from its sources, and copies the reduced
-//   shares straight into the destinations. Its header's path says "from
+//   shares straight into the destinations; a message of more than a few MiB
+//   goes in windows, each those two steps. Its header's path says "from
 //   parts", so it never meets another path's data.
 #include "shm_engine.h"
 #include "wait_timings.h"
@@ -83,6 +84,12 @@ constexpr size_t kChunkBytes = 512u << 10;
 // Piece of a peer's share read at a time on the single-copy path: the pieces
 // of all peers stay in this core's cache until they are reduced.
 constexpr size_t kPieceBytes = 256u << 10;
+// allreduce_parts moves a message larger than this in windows of
+// kPartsWindowBytes, each the two steps of one chunk: a window's shares stay
+// in the cores' L2 caches between a rank's copy in and its peers' reads
+// (benchmarks/README.md has the sizes tried).
+constexpr size_t kPartsOneRoundBytes = 4u << 20;
+constexpr size_t kPartsWindowBytes = 2u << 20;
 // allreduce_parts reduces, averages and copies out its share in pieces this
 // size (whole elements of every dtype), each while it is still in L1.
 constexpr size_t kL1PieceBytes = 8u << 10;
@@ -979,7 +986,7 @@ void ShmEngine::reduce_chunked(uint8_t* buf, const uint8_t* send, size_t nbytes,
   }
 }
 
-bool ShmEngine::allreduce_parts(const std::vector<Part>& parts, DType dtype, Op op, bool average,
+void ShmEngine::allreduce_parts(const std::vector<Part>& parts, DType dtype, Op op, bool average,
                                 std::string_view name) {
   ensure_usable();
   const size_t esize = dtype_size(int(dtype));
@@ -996,35 +1003,54 @@ bool ShmEngine::allreduce_parts(const std::vector<Part>& parts, DType dtype, Op 
     }
     nbytes += part.nbytes;
   }
-  if (nbytes > half_bytes_) return false;
   begin_allreduce(nbytes, dtype, op, name);
   if (n_ == 1) {
     for (const Part& part : parts) {
       if (part.src != part.dst && part.nbytes) std::memmove(part.dst, part.src, part.nbytes);
     }
-    return true;
+    return;
   }
   ctl(me_)->hdr[(coll_ - 1) & 1].path = kParts;
+  // One round for a message that fits kPartsOneRoundBytes, else windows of
+  // kPartsWindowBytes (whole cache lines, so whole elements of every dtype).
+  const size_t window = nbytes <= std::min(half_bytes_, kPartsOneRoundBytes)
+                            ? nbytes
+                            : std::min(half_bytes_, kPartsWindowBytes) / kLine * kLine;
+  size_t w0 = 0;
+  do {  // an empty message too takes one round: its header is checked
+    const size_t w1 = std::min(nbytes, w0 + window);
+    parts_window(parts, w0, w1, esize, dtype, op, average, w0 == 0);
+    w0 = w1;
+  } while (w0 < nbytes);
+}
+
+void ShmEngine::parts_window(const std::vector<Part>& parts, size_t w0, size_t w1, size_t esize,
+                             DType dtype, Op op, bool average, bool first) {
   // Shares as reduce_chunked cuts one chunk, in bytes of the message.
-  const size_t count = nbytes / esize;
+  const size_t count = (w1 - w0) / esize;
   const size_t per = round_up((count + size_t(n_) - 1) / size_t(n_), kLine / esize);
-  auto share_lo = [&](int p) { return std::min(size_t(p) * per, count) * esize; };
-  auto share_hi = [&](int p) { return std::min(size_t(p + 1) * per, count) * esize; };
+  auto share_lo = [&](int p) { return w0 + std::min(size_t(p) * per, count) * esize; };
+  auto share_hi = [&](int p) { return w0 + std::min(size_t(p + 1) * per, count) * esize; };
   const size_t lo = share_lo(me_), hi = share_hi(me_);
+  // The slots hold the window: message byte x at slot byte x - w0.
   uint8_t* mine = data(me_, next_buf_);
-  // Step 1: the peers' shares of this rank's message into its slot.
+  // Step 1: the peers' shares of this rank's window into its slot.
   size_t at = 0;
   for (const Part& part : parts) {
     const auto* src = static_cast<const uint8_t*>(part.src);
     const size_t end = at + part.nbytes;
-    if (std::min(end, lo) > at) std::memcpy(mine + at, src, std::min(end, lo) - at);
-    const size_t from = std::max(at, hi);
-    if (end > from) std::memcpy(mine + from, src + (from - at), end - from);
+    const size_t a = std::max(at, w0), b = std::min(end, w1);
+    if (b > a) {
+      const size_t until = std::min(b, lo);
+      if (until > a) std::memcpy(mine + (a - w0), src + (a - at), until - a);
+      const size_t from = std::max(a, hi);
+      if (b > from) std::memcpy(mine + (from - w0), src + (from - at), b - from);
+    }
     at = end;
   }
   publish();
   wait_all();
-  check_headers();
+  if (first) check_headers();
   // Step 2: this rank's share, from the peers' slots and its own sources, in
   // rank order as every path reduces; a piece at a time while it is in L1:
   // reduced (and averaged) into the slot and this rank's own destination at
@@ -1037,10 +1063,10 @@ bool ShmEngine::allreduce_parts(const std::vector<Part>& parts, DType dtype, Op 
     auto* dst = static_cast<uint8_t*>(part.dst);
     for (size_t x = a; x < b; x += kL1PieceBytes) {
       const size_t y = std::min(b, x + kL1PieceBytes);
-      for (int p = 0; p < n_; ++p) srcs_[size_t(p)] = data(p, next_buf_) + x;
+      for (int p = 0; p < n_; ++p) srcs_[size_t(p)] = data(p, next_buf_) + (x - w0);
       srcs_[size_t(me_)] = src + (x - at);
-      reduce_finish(mine + x, dst + (x - at), srcs_.data(), size_t(n_), (y - x) / esize, dtype,
-                    op, average ? n_ : 0);
+      reduce_finish(mine + (x - w0), dst + (x - at), srcs_.data(), size_t(n_), (y - x) / esize,
+                    dtype, op, average ? n_ : 0);
     }
     at = end;
   }
@@ -1054,12 +1080,11 @@ bool ShmEngine::allreduce_parts(const std::vector<Part>& parts, DType dtype, Op 
     for (int p = 0; p < n_; ++p) {
       if (p == me_) continue;
       const size_t a = std::max(at, share_lo(p)), b = std::min(end, share_hi(p));
-      if (b > a) std::memcpy(dst + (a - at), data(p, next_buf_) + a, b - a);
+      if (b > a) std::memcpy(dst + (a - at), data(p, next_buf_) + (a - w0), b - a);
     }
     at = end;
   }
   next_buf_ ^= 1;
-  return true;
 }
 
 void ShmEngine::broadcast(void* buf, size_t nbytes, int root, std::string_view name,

@@ -131,10 +131,10 @@ class ShmEngine {
   // only the peers' shares of the sources into its slot, reduces its own
   // share straight from them (and, with `average`, turns it into an average
   // as average_inplace does, before peers copy it), and copies every rank's
-  // reduced share into the destinations. Returns false, with nothing
-  // exchanged, when the message is larger than one buffer (buffer_bytes()).
+  // reduced share into the destinations. A message larger than one buffer
+  // (buffer_bytes()) goes in windows, each one round of these steps.
   // Every rank must call this (its header says so) for the same message.
-  bool allreduce_parts(const std::vector<Part>& parts, DType dtype, Op op, bool average,
+  void allreduce_parts(const std::vector<Part>& parts, DType dtype, Op op, bool average,
                        std::string_view name = {});
 
   // This rank's next data buffer, valid until the next collective; allreduce
@@ -195,6 +195,10 @@ class ShmEngine {
   void prefetch_peers() const;
   uint8_t* data(int rank, int which) const;
   void reduce_small(void* buf, const void* send, size_t nbytes, DType dtype, Op op);
+  // One window [w0, w1) of allreduce_parts' message: its two steps (with the
+  // header check when `first`), as one chunk of reduce_chunked.
+  void parts_window(const std::vector<Part>& parts, size_t w0, size_t w1, size_t esize,
+                    DType dtype, Op op, bool average, bool first);
   void reduce_chunked(uint8_t* buf, const uint8_t* send, size_t nbytes, DType dtype, Op op,
                       bool in_slot);
   void reduce_single_copy(uint8_t* buf, const uint8_t* send, size_t nbytes, DType dtype, Op op);

@@ -235,8 +235,9 @@ def mode_parts(args):
     for di, dtype in enumerate(DTYPES):
         for op in OPS:
             for average in (False, True) if op == _dtypes.SUM else (False,):
+                # The last is larger than one shared buffer: it goes in windows.
                 for sizes in ([1], [7, 0, 64 * SIZE + 3], list(rng.integers(0, 3000, 6)),
-                              [20011, 1, 100003]):
+                              [20011, 1, 100003], [300_001, 3, 1_000_007]):
                     seed = di * 1000 + op * 100 + len(sizes) + 7 * average
                     total = int(sum(sizes))
                     inputs = [rank_data(dtype, total, r, op, seed) for r in range(SIZE)]
@@ -244,7 +245,7 @@ def mode_parts(args):
                     srcs = [inputs[RANK][a:b].copy() for a, b in zip(bounds, bounds[1:])]
                     before = [x.copy() for x in srcs]
                     dsts = [np.full_like(x, 3) for x in srcs]
-                    assert transport.allreduce_parts(srcs, dsts, op, average)
+                    transport.allreduce_parts(srcs, dsts, op, average)
                     label = (f"allreduce_parts {np.dtype(dtype).name} "
                              f"{_dtypes.OP_NAMES[op]} average={average} sizes {sizes}")
                     assert all(np.array_equal(x, y) for x, y in zip(srcs, before)), label
@@ -268,21 +269,28 @@ def mode_parts(args):
     srcs = [mine[:15].reshape(3, 5), mine[15:16].reshape(()), mine[16], mine[17:].reshape(2, 2, 2)]
     dsts = [np.empty((3, 5), np.float32), np.empty((), np.float32), np.empty(1, np.float32),
             np.empty((2, 2, 2), np.float32)]
-    assert transport.allreduce_parts(srcs, dsts, _dtypes.SUM)
+    transport.allreduce_parts(srcs, dsts, _dtypes.SUM)
     got = np.concatenate([d.reshape(-1) for d in dsts])
     check_against(got, inputs, np.float32, _dtypes.SUM, not args.ranks_per_node,
                   "allreduce_parts of shaped parts")
     # In place: each destination its own source.
     xs = [np.full(5, RANK + 1.0, np.float32), np.full(70_001, RANK + 2.0, np.float32)]
-    assert transport.allreduce_parts(xs, xs, _dtypes.SUM)
+    transport.allreduce_parts(xs, xs, _dtypes.SUM)
     assert np.all(xs[0] == SIZE * (SIZE + 1) / 2) and np.all(xs[1] == SIZE * (SIZE + 3) / 2)
-    # Larger than one shared buffer: False on every rank, nothing exchanged.
-    big = np.ones(args.slot_bytes, np.float32)
-    assert transport.allreduce_parts([big], [big], _dtypes.SUM) is False
+    # Four times the slot, in place: in windows.
+    big = rank_data(np.float32, args.slot_bytes, RANK, _dtypes.SUM, 99)
+    transport.allreduce_parts([big], [big], _dtypes.SUM)
+    check_against(big, [rank_data(np.float32, args.slot_bytes, r, _dtypes.SUM, 99)
+                        for r in range(SIZE)], np.float32, _dtypes.SUM,
+                  not args.ranks_per_node, "allreduce_parts in place, in windows")
     cases = [
         (lambda: transport.allreduce_parts([np.ones(10 + RANK, np.float32)],
                                            [np.empty(10 + RANK, np.float32)], _dtypes.SUM),
          "count"),
+        # Rank 0's message in windows, the others' in one round.
+        (lambda: transport.allreduce_parts([np.ones(300_000 << (RANK == 0), np.float32)],
+                                           [np.empty(300_000 << (RANK == 0), np.float32)],
+                                           _dtypes.SUM), "count"),
         (lambda: transport.allreduce_parts([np.ones(8, DTYPES[2 + RANK % 2])],
                                            [np.empty(8, DTYPES[2 + RANK % 2])], _dtypes.SUM),
          "dtype"),
@@ -304,7 +312,7 @@ def mode_parts(args):
         else:
             raise AssertionError(f"allreduce_parts: no mismatch error for differing {word}")
         xs = [np.ones(3, np.float32), np.ones(4, np.float32)]
-        assert transport.allreduce_parts(xs, xs, _dtypes.SUM)
+        transport.allreduce_parts(xs, xs, _dtypes.SUM)
         assert all(np.all(x == SIZE) for x in xs), "usable after a mismatch"
     try:
         transport.allreduce_parts([np.ones(4, np.float32)], [np.empty(3, np.float32)],

@@ -16,7 +16,7 @@ def test_the_op_on_every_rank():
     checks = re.findall(r"^def (test_\w+)", WORKER.read_text(), flags=re.M)
     env = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1",
            "KERAS_DIST_TIMEOUT_SECONDS": "60", "KERAS_DIST_CPU_OPERATIONS": "shm",
-           # 1 MiB slots: the 1.2 MB tensor's bucket takes the fallback.
+           # 1 MiB slots: the 1.2 MB tensor's bucket goes in windows.
            "KERAS_DIST_SHM_SLOT_BYTES": str(1 << 20)}
     result = run_job(str(WORKER), np=2, timeout=150, env=env)
     message = result.describe()

@@ -61,7 +61,8 @@ def check(got, want, label):
 def test_grouped_allreduce_matches_the_float64_reference():
     from keras_dist.tensor import ops
 
-    fused = []  # buckets the op's fallback reduced (larger than the shm buffer)
+    fused = []  # buckets the op's fallback reduced: none (one is larger than the shm
+    # buffer, 1.2 MB against 512 KiB, and goes in windows)
     plain = ops._reduce_fused
     ops._reduce_fused = lambda *args: (fused.append(args[4]), plain(*args))
     for op, name in ((kd.Sum, "sum"), (kd.Average, "average")):
@@ -76,7 +77,7 @@ def test_grouped_allreduce_matches_the_float64_reference():
         for k in range(3):
             check(step([tf.constant(a) for a in data(RANK, k)]), reference(k, op), name)
     ops._reduce_fused = plain
-    assert len(fused) == 6 and all("300000" in name for name in fused), fused
+    assert not fused, fused
 
 
 def test_the_numpy_path_gives_the_same_bits():
