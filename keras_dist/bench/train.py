@@ -248,6 +248,18 @@ def jitter_wait(step_times: Sequence[Sequence[float]], draws: int = 100_000,
     return [slowest - float(t.mean()) for t in samples]
 
 
+def sync_ceiling(step_times: Sequence[Sequence[float]], waits: Sequence[float]) -> float:
+    """The scaling efficiency a synchronous step cannot beat with this jitter.
+
+    ``waits`` are ``jitter_wait(step_times)``. With communication free, rank
+    r's step would last its mean plain step plus its wait: the efficiency
+    against the plain processes would be the mean over ranks of
+    ``mean / (mean + wait)``.
+    """
+    means = [float(np.mean(t)) for t in step_times]
+    return float(np.mean([m / (m + w) for m, w in zip(means, waits)]))
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if args.threads and os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
@@ -371,7 +383,8 @@ def run(args: argparse.Namespace) -> int:
         baseline_ms = 1e3 * float(np.mean(baseline_steps))
         row = (1e3 * seconds_kd / steps, baseline_ms, 1e3 * waits / steps, 1e3 * moves / steps)
         rows = kd.allgather_object(row)
-        implied = jitter_wait(kd.allgather_object(baseline_steps))
+        everyone_steps = kd.allgather_object(baseline_steps)
+        implied = jitter_wait(everyone_steps)
         say("Breakdown of a keras_dist step (means over the timed steps; baseline: this "
             "rank's mean plain-Keras step with the others training at once):")
         for r, values in enumerate(rows):
@@ -380,6 +393,8 @@ def run(args: argparse.Namespace) -> int:
             f"{size} processes at once, drawn independently, each step as long as the "
             "slowest: its mean minus the rank's): "
             + ", ".join(f"rank {r} {1e3 * w:.2f} ms" for r, w in enumerate(implied)))
+        say(f"Efficiency that jitter leaves to any synchronous step (communication free): "
+            f"{100 * sync_ceiling(everyone_steps, implied):.1f}%")
     if args.plot and rank == 0:
         from keras_dist.bench import plot
 

@@ -35,4 +35,6 @@ def test_train_benchmark_reports_every_kind(np_, tmp_path):
             assert re.search(rf"rank {rank}: step +[\d.]+ ms = baseline", out), result.describe()
         assert re.search(r"jitter alone implies .*: rank 0 -?[\d.]+ ms, rank 1 -?[\d.]+ ms",
                          out), result.describe()
+        assert re.search(r"jitter leaves to any synchronous step .*: [\d.]+%", out), \
+            result.describe()
     assert png.read_bytes()[:4] == b"\x89PNG"

@@ -84,6 +84,16 @@ def test_jitter_wait_is_the_mean_slowest_minus_each_ranks_mean():
     assert train.jitter_wait([coin]) == [pytest.approx(0.0, abs=0.02)]
 
 
+def test_sync_ceiling_is_the_plain_step_over_the_step_with_its_wait():
+    rng = np.random.default_rng(6)
+    steady = np.full(50, 2.0)
+    coin = rng.choice([1.0, 3.0], size=4000)
+    # Each rank waits until 2.5 on average: 2.0 / 2.5 and coin.mean() / 2.5.
+    ceiling = train.sync_ceiling([steady, coin], train.jitter_wait([steady, coin]))
+    assert ceiling == pytest.approx((2.0 / 2.5 + coin.mean() / 2.5) / 2, abs=0.01)
+    assert train.sync_ceiling([steady, steady], [0.0, 0.0]) == 1.0
+
+
 @pytest.mark.parametrize("name", train.MODELS)
 def test_models_build_with_their_input_shape(name):
     model = train.build_model(name)
