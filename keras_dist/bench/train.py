@@ -248,6 +248,36 @@ def jitter_wait(step_times: Sequence[Sequence[float]], draws: int = 100_000,
     return [slowest - float(t.mean()) for t in samples]
 
 
+def random_batch(model, batch_size: int, rng: np.random.Generator) -> tuple:
+    """Random inputs and labels for ``model``: float inputs from a normal
+    distribution; integer inputs (token ids) uniform below the smallest
+    ``Embedding`` vocabulary in the model (2 without one); a dimension left
+    open (``None``, a sequence's length) set to 16; labels below the output's
+    last dimension, shaped as the output without it. A list of arrays for a
+    model of several inputs."""
+    import keras
+
+    def layers_of(layer):
+        yield layer
+        for inner in getattr(layer, "layers", ()):
+            yield from layers_of(inner)
+
+    vocab = min((layer.input_dim for layer in layers_of(model)
+                 if isinstance(layer, keras.layers.Embedding)), default=2)
+    inputs = []
+    for tensor in model.inputs:
+        shape = (batch_size, *(16 if d is None else d for d in tensor.shape[1:]))
+        if np.issubdtype(np.dtype(tensor.dtype), np.integer):
+            inputs.append(rng.integers(0, vocab, size=shape).astype(tensor.dtype))
+        else:
+            inputs.append(rng.normal(size=shape).astype(tensor.dtype))
+    output_shape = model.outputs[0].shape
+    labels = rng.integers(0, output_shape[-1],
+                          size=(batch_size, *(16 if d is None else d
+                                              for d in output_shape[1:-1])))
+    return (inputs[0] if len(inputs) == 1 else inputs), labels
+
+
 def sync_ceiling(step_times: Sequence[Sequence[float]], waits: Sequence[float]) -> float:
     """The scaling efficiency a synchronous step cannot beat with this jitter.
 
@@ -280,8 +310,7 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng([_SEED, rank])
     probe = build_model(args.model, args.image_size)
     parameters = probe.count_params()
-    x = rng.normal(size=(args.batch_size, *probe.input_shape[1:])).astype("float32")
-    y = rng.integers(0, probe.output_shape[-1], size=(args.batch_size,))
+    x, y = random_batch(probe, args.batch_size, rng)
     del probe
 
     def say(line: str = "") -> None:

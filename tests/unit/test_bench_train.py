@@ -110,6 +110,24 @@ def tiny_model():
     return keras.Model(inputs, keras.layers.Dense(7)(keras.layers.Flatten()(inputs)))
 
 
+def test_random_batch_draws_token_ids_below_the_vocabulary_and_fills_open_lengths():
+    import keras
+
+    tokens = keras.Input((None,), dtype="int32")
+    image = keras.Input((4, 4, 1))
+    x = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(tokens))
+    y = keras.layers.Flatten()(image)
+    model = keras.Model([tokens, image], keras.layers.Dense(3)(
+        keras.layers.Concatenate()([x, y])))
+    (ids, pixels), labels = train.random_batch(model, 6, np.random.default_rng(0))
+    assert ids.shape == (6, 16) and ids.dtype == np.int32
+    assert ids.min() >= 0 and ids.max() < 50 and len(np.unique(ids)) > 10
+    assert pixels.shape == (6, 4, 4, 1) and pixels.dtype == np.float32 and pixels.std() > 0.5
+    assert labels.shape == (6,) and labels.min() >= 0 and labels.max() < 3
+    single, labels = train.random_batch(tiny_model(), 2, np.random.default_rng(1))
+    assert single.shape == (2, 5, 3) and labels.shape == (2,) and labels.max() < 7
+
+
 def test_other_models_keras_applications_and_module_function():
     args = train.parse_args(["--model", "MobileNetV2", "--image-size", "40"])
     model = train.build_model(args.model, args.image_size)
