@@ -84,10 +84,9 @@ constexpr size_t kChunkBytes = 512u << 10;
 // Piece of a peer's share read at a time on the single-copy path: the pieces
 // of all peers stay in this core's cache until they are reduced.
 constexpr size_t kPieceBytes = 256u << 10;
-// allreduce_parts moves a message larger than this in windows of
-// kPartsWindowBytes, each the two steps of one chunk: a window's shares stay
-// in the cores' L2 caches between a rank's copy in and its peers' reads
-// (benchmarks/README.md has the sizes tried).
+// allreduce_parts moves a message larger than kPartsOneRoundBytes in windows
+// of kPartsWindowBytes, each the two steps of one chunk; both sizes measured
+// fastest of those tried (benchmarks/README.md).
 constexpr size_t kPartsOneRoundBytes = 4u << 20;
 constexpr size_t kPartsWindowBytes = 2u << 20;
 // allreduce_parts reduces, averages and copies out its share in pieces this
