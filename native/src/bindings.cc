@@ -905,8 +905,9 @@ nb::object dispatch_allgather(nb::handle x, nb::handle label) {
 // ShmEngine::allreduce_parts straight from TensorFlow's inputs into its
 // outputs, with no Python. A bucket the engine raises on (ranks that have
 // joined, a mismatch, a failed peer) goes to the plan's Python `fallback`
-// for that bucket, which does what the Python path does with that error. The call is counted in COUNTERS, and recorded by
-// the plan's `record` when a timeline records, as the Python path does.
+// for that bucket, which does what the Python path does with that error.
+// The call is counted in COUNTERS, and recorded by the plan's `record` when
+// a timeline records, as the Python path does.
 
 // The Python classes of the engine's errors (set when the module loads).
 PyObject* g_error_types[4] = {};

@@ -235,7 +235,8 @@ def mode_parts(args):
     for di, dtype in enumerate(DTYPES):
         for op in OPS:
             for average in (False, True) if op == _dtypes.SUM else (False,):
-                # The last is larger than one shared buffer: it goes in windows.
+                # The last is larger than one shared buffer (2 MiB) for every dtype
+                # of 2 bytes or more: it goes in windows (uint8's, 1.3 MB, in one round).
                 for sizes in ([1], [7, 0, 64 * SIZE + 3], list(rng.integers(0, 3000, 6)),
                               [20011, 1, 100003], [300_001, 3, 1_000_007]):
                     seed = di * 1000 + op * 100 + len(sizes) + 7 * average
