@@ -233,9 +233,9 @@ class GradientReduction:
                 "Sparse (IndexedSlices) gradients can be reduced with op=Average or Sum "
                 f"only; pass sparse_as_dense=True for other ops. Received: op={self.op}")
         values, compressed = self.compression.compress(grad.values)
-        values = self.compression.decompress(
-            kd_ops.allgather(values, process_set=self.process_set), compressed)
-        indices = kd_ops.allgather(grad.indices, process_set=self.process_set)
+        values, indices = kd_ops.gather_rows(values, grad.indices,
+                                             process_set=self.process_set)
+        values = self.compression.decompress(values, compressed)
         if self.op is _vocab.Average:
             values = values / tf.cast(size, values.dtype)
         return tf.IndexedSlices(values, indices, grad.dense_shape)

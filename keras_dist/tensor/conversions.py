@@ -442,7 +442,7 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
     def forward(*inputs):
         if symbolic:
             device = on_device if on_device and _tf_device_path_available() else None
-            if graph_kernel is not None and device is None and same_outputs:
+            if graph_kernel is not None and device is None:
                 with _after_previous_collective() as remember:
                     built = graph_kernel(list(inputs))
                     if built is not None:

@@ -24,6 +24,7 @@ from keras_dist.tensor.conversions import (
     dtype_of,
     is_cupy,
     is_indexed_slices,
+    is_symbolic,
     not_converted_by_autograph,
     raising_tf_errors,
     run,
@@ -277,14 +278,33 @@ def _graph_kernel(op: ReduceOp, prescale: float, postscale: float, label: str, g
         return None
     from keras_dist.tensor import tf_kernel
 
+    # In a group of one rank nothing is reduced or counted: no op in the step.
+    return _kernel_for(group, tf_kernel.identities,
+                       lambda transport, engine: _allreduce_builder(
+                           transport, engine, op, label, group, labels))
+
+
+def _kernel_for(group, alone, make):
+    """The builder ``conversions.run`` takes as ``graph_kernel``: ``alone`` in a
+    group of one rank, ``make(transport, engine)`` where the group runs on one
+    machine's shm engine, else None (the numpy path; also with the op turned
+    off, ``tf_kernel.enabled``)."""
+    from keras_dist.tensor import tf_kernel
+
     if not tf_kernel.enabled():
         return None
-    if group.size == 1:  # nothing to reduce or count: no host call in the step
-        return tf_kernel.identities
+    if group.size == 1:
+        return alone
     shm = _one_call_transport(group)
     if shm is None or shm.engine is None:
         return None
-    transport, engine = group.transport, shm.engine
+    return make(group.transport, shm.engine)
+
+
+def _allreduce_builder(transport, engine, op: ReduceOp, label: str, group,
+                       labels: list[str] | None):
+    """``_graph_kernel``'s builder on ``engine``."""
+    from keras_dist.tensor import tf_kernel
 
     def build(tensors: list) -> list | None:
         if not all(t.shape.is_fully_defined() for t in tensors) or tf_kernel.library() is None:
@@ -490,14 +510,56 @@ def _broadcast_one_call_failed(native: BaseException, x: np.ndarray, root_rank, 
     raise error from None
 
 
-def _allgather_one_call_failed(native: BaseException, name):
-    """Raises the one-call allgather's engine error ``native`` as keras_dist's."""
+def _allgather_one_call_failed(native: BaseException, name, transport=None):
+    """Raises the one-call allgather's engine error ``native`` as keras_dist's
+    (``transport``: the group's, default the job's)."""
     error = _translate(native)
     if type(error) is CollectiveMismatchError:  # at the records' step, the first
-        context._group.transport.raise_mismatched(
+        (transport or context._group.transport).raise_mismatched(
             error, "allgather", np.zeros(_GATHER_RECORD, np.uint8),
             f"{name or 'allgather'} shapes")
     raise error from None
+
+
+def _gather_kernel(names: list[str], group):
+    """For ``conversions.run``: a traced TF step's allgathers of its inputs
+    (input i named ``names[i]``) as keras_dist's own op (``tf_kernel``), or
+    None where the group or the op library needs the numpy path."""
+    from keras_dist.tensor import tf_kernel
+
+    # In a group of one rank each rank's rows are the result: no op in the step.
+    return _kernel_for(group, tf_kernel.gathered_alone,
+                       lambda transport, engine: _gather_builder(transport, engine, names))
+
+
+def _gather_builder(transport, engine, names: list[str]):
+    """``_gather_kernel``'s builder on ``engine``."""
+    from keras_dist.tensor import tf_kernel
+
+    def build(tensors: list) -> list | None:
+        if not tf_kernel.gathers() or any(
+                t.shape.rank is None or t.shape.rank > _MAX_GATHER_NDIM for t in tensors):
+            return None
+        dtypes = [np.dtype(t.dtype.as_numpy_dtype) for t in tensors]
+
+        def fallback(index: int, headers: bytes | None, error) -> tuple:
+            try:
+                if headers is not None:
+                    raise _gather_mismatch(
+                        np.frombuffer(headers, np.int64).reshape(-1, _GATHER_HEADER),
+                        dtypes[index])
+                _allgather_one_call_failed(error, names[index], transport)
+            except Exception as failure:  # noqa: BLE001 - becomes the op's status
+                return tf_kernel.status_of(failure, CollectiveMismatchError)
+            raise AssertionError("unreachable: the allgather's error was not raised")
+
+        def record(index: int, nbytes: int, start_ns: int, end_ns: int, wait_ns: int) -> None:
+            timeline.record_collective(names[index], "allgather", nbytes, start_ns, end_ns,
+                                       wait_ns, None)
+
+        return tf_kernel.allgather(tensors, engine, names, dtypes, fallback, record)
+
+    return build
 
 
 # ---------------------------------------------------------------------------
@@ -667,12 +729,30 @@ def _check_sparse(op: ReduceOp, prescale: float, postscale: float) -> None:
 
 def _allreduce_sparse(x, op: ReduceOp, name: str | None, group, process_set):
     """An ``IndexedSlices`` reduced as Horovod does: every rank's rows, gathered."""
-    values = allgather(x.values, name=name and f"{name} values", process_set=process_set)
-    with conversions.after([values]):
-        indices = allgather(x.indices, name=name and f"{name} indices",
-                            process_set=process_set)
+    values, indices = gather_rows(x.values, x.indices, name, process_set)
     return tf_ops.indexed_slices(values, indices, x.dense_shape,
                                  group.size if op is Average else None)
+
+
+def gather_rows(values, indices, name: str | None = None, process_set=None) -> tuple:
+    """A sparse gradient's ``values`` and ``indices`` from every rank of
+    ``process_set``: two allgathers (named ``"<name> values"`` and ``"<name>
+    indices"``, or ``"allgather"``), in one op of keras_dist's in a traced TF
+    step where it serves the group (``tf_kernel``)."""
+    names = [name and f"{name} values", name and f"{name} indices"]
+    group = context.group_for(process_set)
+    kernel = _gather_kernel([n or "allgather" for n in names], group)
+    if kernel is None or not all(is_symbolic(v) for v in (values, indices)):
+        gathered = allgather(values, name=names[0], process_set=process_set)
+        with conversions.after([gathered]):
+            return gathered, allgather(indices, name=names[1], process_set=process_set)
+    _check_byte_dtypes([dtype_of(values), dtype_of(indices)], "allgather")
+    return tuple(run(
+        [values, indices],
+        lambda arrays: [_allgather_array(a, n or "allgather", group)
+                        for a, n in zip(arrays, names)],
+        "allgather", shapes=lambda shapes: [[None, *s[1:]] for s in shapes],
+        graph_kernel=kernel))
 
 
 @not_converted_by_autograph
@@ -709,7 +789,8 @@ def _allgather(x, name: str | None, process_set):
     _check_byte_dtypes([dtype_of(x)], "allgather")
     return run([x], lambda arrays: [_allgather_array(arrays[0], name or "allgather", group)],
                "allgather", shapes=lambda shapes: [[None, *shapes[0][1:]]],
-               grad=tf_ops.allgather_grad(allgather, allreduce, process_set))[0]
+               grad=tf_ops.allgather_grad(allgather, allreduce, process_set),
+               graph_kernel=_gather_kernel([name or "allgather"], group))[0]
 
 
 @not_converted_by_autograph

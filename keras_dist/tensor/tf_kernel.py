@@ -1,4 +1,5 @@
-"""The grouped allreduce of a traced TensorFlow step as keras_dist's own op.
+"""The grouped allreduce and the allgathers of a traced TensorFlow step as
+keras_dist's own ops.
 
 ``KerasDistAllreduce`` (``native/src/tf_kernel.cc``, loaded with
 ``tf.load_op_library``) hands its input and output buffers to the native
@@ -19,7 +20,15 @@ Used when the op library loads (it is built with the native module, without
 TensorFlow), the group runs on the shm engine, the call reduces with no
 scale, and every shape is known when the step is traced; otherwise, or with
 ``KERAS_DIST_TF_OP=0``, the step keeps the ``tf.numpy_function`` op. In a
-group of one rank such a call is ``identities``: no op at all.
+group of one rank such a call is ``identities`` (an allgather
+``gathered_alone``): no op at all.
+
+``KerasDistAllgather`` gathers each of its inputs along the first dimension
+as ``kd.allgather`` does (the ranks' shapes first, then the data), straight
+into outputs TensorFlow allocates once the shapes are known. A traced step's
+allgathers take it (a sparse gradient's values and indices in one op) under
+the same conditions, every input's rank known; where the ranks disagree or
+the engine raises, the op fails with the status the numpy path would give.
 """
 
 from __future__ import annotations
@@ -84,6 +93,17 @@ def status_of(error: BaseException, mismatch_class: type) -> tuple[int, str]:
     return code, f"{type(error).__name__}: {error}"
 
 
+def _keep(plan):
+    """``plan``, kept alive by the graph being built as long as its op can run."""
+    import tensorflow as tf
+
+    graph = tf.compat.v1.get_default_graph()
+    if not hasattr(graph, "_keras_dist_plans"):
+        graph._keras_dist_plans = []  # noqa: SLF001
+    graph._keras_dist_plans.append(plan)  # noqa: SLF001
+    return plan
+
+
 def allreduce(tensors: Sequence, engine, buckets: list, op_code: int, average: bool,
               fallback: Callable, record: Callable) -> list:
     """``KerasDistAllreduce`` of ``tensors`` (symbolic, every shape known).
@@ -98,20 +118,53 @@ def allreduce(tensors: Sequence, engine, buckets: list, op_code: int, average: b
     Returns:
         The outputs, shaped as the inputs.
     """
-    import tensorflow as tf
-
     nbytes = [t.shape.num_elements() * t.dtype.size for t in tensors]
-    plan = _native.TfPlan(engine, buckets, op_code, average, nbytes, fallback, record)
-    # The graph keeps the plan alive as long as the op can run.
-    graph = tf.compat.v1.get_default_graph()
-    if not hasattr(graph, "_keras_dist_plans"):
-        graph._keras_dist_plans = []  # noqa: SLF001
-    graph._keras_dist_plans.append(plan)  # noqa: SLF001
+    plan = _keep(_native.TfPlan(engine, buckets, op_code, average, nbytes, fallback, record))
     outputs = library().keras_dist_allreduce(list(tensors), plan=plan.id,
                                              entry=_native.tf_entry_address())
     for output, tensor in zip(outputs, tensors):
         output.set_shape(tensor.shape)
     return list(outputs)
+
+
+def gathers() -> bool:
+    """Whether the loaded op library has ``KerasDistAllgather`` (it needs a
+    TensorFlow whose C API sets unknown output shapes)."""
+    return library() is not None and hasattr(library(), "keras_dist_allgather")
+
+
+def allgather(tensors: Sequence, engine, names: Sequence[str], dtypes: Sequence[np.dtype],
+              fallback: Callable, record: Callable) -> list:
+    """``KerasDistAllgather`` of ``tensors`` (symbolic, every rank known): each
+    gathered along its first dimension as ``kd.allgather`` gathers it.
+
+    Args:
+        engine: the group's ``_native.ShmEngine``.
+        names: each gather's name (peers check it).
+        dtypes: the tensors' numpy dtypes.
+        fallback: ``fallback(index, headers, error)`` as ``_native.TfGatherPlan`` calls it.
+        record: ``record(index, nbytes, start_ns, end_ns, wait_ns)`` while a timeline records.
+
+    Returns:
+        The outputs, shaped ``[None, *shape[1:]]`` (a scalar gathers as a vector).
+    """
+    plan = _keep(_native.TfGatherPlan(engine, list(names), [d.num for d in dtypes],
+                                      [d.itemsize for d in dtypes], fallback, record))
+    outputs = library().keras_dist_allgather(list(tensors), plan=plan.id,
+                                             entry=_native.tf_allgather_entry_address())
+    for output, tensor in zip(outputs, tensors):
+        output.set_shape([None, *tensor.shape[1:]])
+    return list(outputs)
+
+
+def gathered_alone(tensors: Sequence) -> list | None:
+    """The values of an allgather over one rank (a scalar as a vector), with no
+    op of keras_dist's in the step; None where a rank is unknown."""
+    import tensorflow as tf
+
+    if any(t.shape.rank is None for t in tensors):
+        return None
+    return [tf.reshape(t, [1]) if t.shape.rank == 0 else tf.identity(t) for t in tensors]
 
 
 def identities(tensors: Sequence) -> list:

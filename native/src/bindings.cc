@@ -605,37 +605,46 @@ constexpr int kGatherWords = 2 + kGatherHeader;
 constexpr size_t kGatherInline = 4096;
 constexpr size_t kGatherRecord = kGatherWords * sizeof(int64_t) + kGatherInline;
 
-nb::object engine_allgather_array(kd::ShmEngine& engine, nb::handle x, nb::handle label) {
-  const ArrayIn in(x.ptr());
-  if (!in.ok() || in.ndim() > kGatherMaxDims) return nb::none();
-  // Kept between calls (used with the GIL held): no allocation per call.
-  static thread_local std::string name, shapes_name;
-  static thread_local std::vector<uint64_t> counts;
-  name.assign("allgather");
-  if (!label.is_none()) {
-    Py_ssize_t size = 0;
-    const char* chars =
-        PyUnicode_Check(label.ptr()) ? PyUnicode_AsUTF8AndSize(label.ptr(), &size) : nullptr;
-    if (!chars) {
-      PyErr_Clear();
-      return nb::none();
-    }
-    if (size > 0) name.assign(chars, size_t(size));
+// One rank's part of such an allgather: `ndim` (1 to kGatherMaxDims) dims,
+// elements of numpy type `type_number`, `itemsize` bytes each.
+struct GatherIn {
+  const void* data;
+  int ndim;
+  int64_t dims[kGatherMaxDims];
+  int type_number;
+  size_t itemsize;
+
+  size_t nbytes() const {
+    size_t n = itemsize;
+    for (int d = 0; d < ndim; ++d) n *= size_t(dims[d]);
+    return n;
   }
-  shapes_name.assign(name).append(" shapes");
+};
+
+// Nothing to release around the engine's calls (a caller without the GIL).
+struct NoRelease {};
+
+// The allgather of `in` described above, named `name`: `out(rows)` returns
+// where the result (rows, *dims[1:]) goes. Returns true, or false when the
+// ranks disagree (then `headers` holds every rank's header, kGatherHeader
+// words each, and nothing else moved). `Release` is held around the engine's
+// calls (nb::gil_scoped_release from Python). `name` and `shapes_name` are
+// the data step's name and the records'.
+template <class Release, class Out>
+bool gather_core(kd::ShmEngine& engine, const GatherIn& in, const std::string& name,
+                 const std::string& shapes_name, Out&& out, std::vector<int64_t>& headers) {
   const int n = engine.local_size();
   const size_t data_bytes = in.nbytes();
   const bool inline_data = data_bytes <= kGatherInline;
   int64_t mine[kGatherWords] = {};
   mine[0] = int64_t(kGatherWords * sizeof(int64_t) + (inline_data ? data_bytes : 0));
   mine[1] = inline_data ? 1 : 0;
-  mine[2] = in.ndim() == 0 ? 1 : in.ndim();
-  mine[3] = in.type->number;
-  if (in.ndim() == 0) mine[4] = 1;
-  for (int d = 0; d < in.ndim(); ++d) mine[4 + d] = in.shape()[d];
+  mine[2] = in.ndim;
+  mine[3] = in.type_number;
+  std::copy(in.dims, in.dims + in.ndim, mine + 4);
   {
-    nb::gil_scoped_release release;
-    engine.gather_records(mine, sizeof(mine), in.data(), inline_data ? data_bytes : 0,
+    [[maybe_unused]] Release release;
+    engine.gather_records(mine, sizeof(mine), in.data, inline_data ? data_bytes : 0,
                           kGatherRecord, shapes_name);
   }
   // The records stay in the engine's slots until this rank's next collective.
@@ -650,43 +659,72 @@ nb::object engine_allgather_array(kd::ShmEngine& engine, nb::handle x, nb::handl
     const auto h = words(p);
     if (h[2] != mine[2] || h[3] != mine[3] || !std::equal(h.data() + 5, h.data() + 4 + mine[2],
                                                           mine + 5)) {
-      std::vector<int64_t> headers(size_t(n) * kGatherHeader);
+      headers.assign(size_t(n) * kGatherHeader, 0);
       for (int q = 0; q < n; ++q) {
         const auto hq = words(q);
         std::copy(hq.data() + 2, hq.data() + kGatherWords, headers.data() + size_t(q) * kGatherHeader);
       }
-      return nb::bytes(headers.data(), headers.size() * sizeof(int64_t));
+      return false;
     }
     rows += h[4];
     all_inline = all_inline && h[1] != 0;
   }
+  thread_local std::vector<uint64_t> counts;
   counts.resize(size_t(n));
   int64_t row_items = 1;
-  for (int d = 1; d < mine[2]; ++d) row_items *= mine[4 + d];
+  for (int d = 1; d < in.ndim; ++d) row_items *= in.dims[d];
   for (int p = 0; p < n; ++p) {
-    counts[size_t(p)] = uint64_t(words(p)[4] * row_items * int64_t(in.type->itemsize));
+    counts[size_t(p)] = uint64_t(words(p)[4] * row_items * int64_t(in.itemsize));
   }
-  // A new array of shape (rows, *x.shape[1:]) and x's dtype.
-  npy_intp dims[kGatherMaxDims];
-  dims[0] = npy_intp(rows);
-  for (int d = 1; d < mine[2]; ++d) dims[d] = npy_intp(mine[4 + d]);
-  PyArray_Descr* descr = PyArray_DESCR(in.array);
-  Py_INCREF(descr);  // stolen below
-  nb::object out =
-      nb::steal(PyArray_SimpleNewFromDescr(int(mine[2]), dims, descr));
-  if (!out.is_valid()) throw nb::python_error();
-  void* result = PyArray_DATA(reinterpret_cast<PyArrayObject*>(out.ptr()));
+  void* result = out(rows);
   if (all_inline) {
     uint8_t* at = static_cast<uint8_t*>(result);
     for (int p = 0; p < n; ++p) {
       std::memcpy(at, engine.record(p) + sizeof(mine), counts[size_t(p)]);
       at += counts[size_t(p)];
     }
-    return out;
+    return true;
   }
-  {
-    nb::gil_scoped_release release;
-    engine.allgatherv(in.data(), data_bytes, result, counts, name);
+  [[maybe_unused]] Release release;
+  engine.allgatherv(in.data, data_bytes, result, counts, name);
+  return true;
+}
+
+nb::object engine_allgather_array(kd::ShmEngine& engine, nb::handle x, nb::handle label) {
+  const ArrayIn in(x.ptr());
+  if (!in.ok() || in.ndim() > kGatherMaxDims) return nb::none();
+  // Kept between calls (used with the GIL held): no allocation per call.
+  static thread_local std::string name, shapes_name;
+  static thread_local std::vector<int64_t> headers;
+  name.assign("allgather");
+  if (!label.is_none()) {
+    Py_ssize_t size = 0;
+    const char* chars =
+        PyUnicode_Check(label.ptr()) ? PyUnicode_AsUTF8AndSize(label.ptr(), &size) : nullptr;
+    if (!chars) {
+      PyErr_Clear();
+      return nb::none();
+    }
+    if (size > 0) name.assign(chars, size_t(size));
+  }
+  shapes_name.assign(name).append(" shapes");
+  GatherIn gather{in.data(), in.ndim() == 0 ? 1 : in.ndim(), {}, in.type->number,
+                  size_t(in.type->itemsize)};
+  if (in.ndim() == 0) gather.dims[0] = 1;
+  for (int d = 0; d < in.ndim(); ++d) gather.dims[d] = in.shape()[d];
+  nb::object out;
+  auto make = [&](int64_t rows) {  // a new array of shape (rows, *x.shape[1:]), x's dtype
+    npy_intp dims[kGatherMaxDims];
+    dims[0] = npy_intp(rows);
+    for (int d = 1; d < gather.ndim; ++d) dims[d] = npy_intp(gather.dims[d]);
+    PyArray_Descr* descr = PyArray_DESCR(in.array);
+    Py_INCREF(descr);  // stolen below
+    out = nb::steal(PyArray_SimpleNewFromDescr(gather.ndim, dims, descr));
+    if (!out.is_valid()) throw nb::python_error();
+    return PyArray_DATA(reinterpret_cast<PyArrayObject*>(out.ptr()));
+  };
+  if (!gather_core<nb::gil_scoped_release>(engine, gather, name, shapes_name, make, headers)) {
+    return nb::bytes(headers.data(), headers.size() * sizeof(int64_t));
   }
   return out;
 }
@@ -912,7 +950,132 @@ nb::object dispatch_allgather(nb::handle x, nb::handle label) {
 // The Python classes of the engine's errors (set when the module loads).
 PyObject* g_error_types[4] = {};
 
-class TfPlan {
+// What the TensorFlow ops' plans share: a number the op's attribute names
+// (a registry from it to the plan), the engine, the Python `fallback` and
+// `record`, and the conversion of the engine's errors to Python's.
+class TfPlanBase {
+ public:
+  TfPlanBase(nb::handle engine, nb::callable fallback, nb::callable record)
+      : engine_obj_(nb::borrow(engine)),
+        engine_(engine_of(engine)),
+        fallback_(std::move(fallback)),
+        record_(std::move(record)) {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    id_ = ++next_id();
+    registry()[id_] = this;
+  }
+  virtual ~TfPlanBase() {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    registry().erase(id_);
+  }
+  TfPlanBase(const TfPlanBase&) = delete;
+  TfPlanBase& operator=(const TfPlanBase&) = delete;
+
+  int64_t id() const { return id_; }
+
+  // The plan numbered `id` if it is a `Plan`, or null (its Python object is gone).
+  template <class Plan>
+  static Plan* find(int64_t id) {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    auto it = registry().find(id);
+    return it == registry().end() ? nullptr : dynamic_cast<Plan*>(it->second);
+  }
+
+ protected:
+  static constexpr int kUnknown = 2, kInvalidArgument = 3;
+
+  static kd::ShmEngine* engine_of(nb::handle engine) {
+    if (!nb::isinstance<kd::ShmEngine>(engine)) {
+      throw nb::type_error(("TfPlan: `engine` must be a ShmEngine. Received: an object of type " +
+                            std::string(nb::type_name(engine.type()).c_str()))
+                               .c_str());
+    }
+    return nb::inst_ptr<kd::ShmEngine>(engine);
+  }
+
+  static int64_t realtime_ns() {
+    timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+  }
+
+  // The engine's error as the Python exception the Python path would see.
+  static nb::object python_error_of(std::exception_ptr failure) {
+    auto make = [](PyObject* type, const char* text) {
+      PyObject* made = PyObject_CallFunction(type, "s", text);
+      if (!made) throw nb::python_error();
+      return nb::steal(made);
+    };
+    try {
+      std::rethrow_exception(failure);
+    } catch (nb::python_error& e) {
+      return nb::borrow(e.value());
+    } catch (const kd::MismatchError& e) {
+      return make(g_error_types[0], e.what());
+    } catch (const kd::PeerFailureError& e) {
+      return make(g_error_types[1], e.what());
+    } catch (const kd::TimeoutError& e) {
+      return make(g_error_types[2], e.what());
+    } catch (const kd::TransportError& e) {
+      return make(g_error_types[3], e.what());
+    } catch (const std::invalid_argument& e) {
+      return make(PyExc_ValueError, e.what());
+    } catch (const std::exception& e) {
+      return make(PyExc_RuntimeError, e.what());
+    }
+  }
+
+  // After the op's collectives (with the GIL): `calls` more in COUNTERS[key],
+  // and record() where a timeline records. 0, or kUnknown with `message`.
+  template <class Record>
+  int finish(PyObject* key, size_t calls, Record&& record, std::string& message) {
+    try {
+      Dispatch& d = dispatch();
+      if (d.counters) {
+        for (size_t i = 0; i < calls; ++i) d.count(key);
+      }
+      PyObject* recorder = d.timeline ? PyDict_GetItemWithError(d.timeline, d.key_recorder)
+                                      : Py_None;
+      if (!recorder && PyErr_Occurred()) throw nb::python_error();
+      if (recorder && recorder != Py_None) record();
+    } catch (const std::exception& e) {
+      message = std::string("keras_dist: after the collective: ") + e.what();
+      return kUnknown;
+    }
+    return 0;
+  }
+
+  // fallback(...)'s answer: None (0), or (code, message) for the op's status.
+  static int status_of(nb::object result, std::string& message) {
+    if (result.is_none()) return 0;
+    auto [code, text] = nb::cast<std::pair<int, std::string>>(result);
+    message = text;
+    return code == 0 ? kUnknown : code;
+  }
+
+  nb::object engine_obj_;  // keeps the engine alive
+  kd::ShmEngine* engine_;
+  nb::callable fallback_;
+  nb::callable record_;
+
+ private:
+  static std::mutex& registry_mutex() {
+    static std::mutex* m = new std::mutex();
+    return *m;
+  }
+  static std::unordered_map<int64_t, TfPlanBase*>& registry() {
+    static auto* r = new std::unordered_map<int64_t, TfPlanBase*>();
+    return *r;
+  }
+  static int64_t& next_id() {
+    static int64_t id = 0;
+    return id;
+  }
+
+  int64_t id_ = 0;
+};
+
+class TfPlan : public TfPlanBase {
  public:
   struct Bucket {
     std::vector<size_t> members;
@@ -922,13 +1085,10 @@ class TfPlan {
 
   TfPlan(nb::handle engine, nb::list buckets, int op_code, bool average,
          std::vector<uint64_t> nbytes, nb::callable fallback, nb::callable record)
-      : engine_obj_(nb::borrow(engine)),
-        engine_(engine_of(engine)),
+      : TfPlanBase(engine, std::move(fallback), std::move(record)),
         op_(check_op(op_code)),
         average_(average),
-        nbytes_(std::move(nbytes)),
-        fallback_(std::move(fallback)),
-        record_(std::move(record)) {
+        nbytes_(std::move(nbytes)) {
     for (nb::handle item : buckets) {
       auto [members, dtype_code, name] =
           nb::cast<std::tuple<std::vector<size_t>, int, std::string>>(item);
@@ -942,33 +1102,6 @@ class TfPlan {
       }
       buckets_.push_back({std::move(members), check_dtype(dtype_code), std::move(name)});
     }
-    std::lock_guard<std::mutex> lock(registry_mutex());
-    id_ = ++next_id();
-    registry()[id_] = this;
-  }
-  ~TfPlan() {
-    std::lock_guard<std::mutex> lock(registry_mutex());
-    registry().erase(id_);
-  }
-  TfPlan(const TfPlan&) = delete;
-  TfPlan& operator=(const TfPlan&) = delete;
-
-  int64_t id() const { return id_; }
-
-  static kd::ShmEngine* engine_of(nb::handle engine) {
-    if (!nb::isinstance<kd::ShmEngine>(engine)) {
-      throw nb::type_error(("TfPlan: `engine` must be a ShmEngine. Received: an object of type " +
-                            std::string(nb::type_name(engine.type()).c_str()))
-                               .c_str());
-    }
-    return nb::inst_ptr<kd::ShmEngine>(engine);
-  }
-
-  // The plan numbered `id`, or null once its Python object is gone.
-  static TfPlan* find(int64_t id) {
-    std::lock_guard<std::mutex> lock(registry_mutex());
-    auto it = registry().find(id);
-    return it == registry().end() ? nullptr : it->second;
   }
 
   // See tf_allreduce_entry. Called without the GIL.
@@ -1006,69 +1139,11 @@ class TfPlan {
     const int64_t end = realtime_ns();
     const int64_t wait_ns = int64_t((engine_->wait_seconds() - waited) * 1e9);
     nb::gil_scoped_acquire acquire;
-    try {
-      Dispatch& d = dispatch();
-      if (d.counters) {
-        for (size_t b = 0; b < buckets_.size(); ++b) d.count(d.key_allreduce);
-      }
-      PyObject* recorder = d.timeline ? PyDict_GetItemWithError(d.timeline, d.key_recorder)
-                                      : Py_None;
-      if (!recorder && PyErr_Occurred()) throw nb::python_error();
-      if (recorder && recorder != Py_None) record_(start, end, wait_ns);
-    } catch (const std::exception& e) {
-      message = std::string("keras_dist: after the allreduce: ") + e.what();
-      return kUnknown;
-    }
-    return 0;
+    return finish(dispatch().key_allreduce, buckets_.size(),
+                  [&] { record_(start, end, wait_ns); }, message);
   }
 
  private:
-  static constexpr int kUnknown = 2, kInvalidArgument = 3;
-
-  static std::mutex& registry_mutex() {
-    static std::mutex* m = new std::mutex();
-    return *m;
-  }
-  static std::unordered_map<int64_t, TfPlan*>& registry() {
-    static auto* r = new std::unordered_map<int64_t, TfPlan*>();
-    return *r;
-  }
-  static int64_t& next_id() {
-    static int64_t id = 0;
-    return id;
-  }
-  static int64_t realtime_ns() {
-    timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-  }
-
-  // The engine's error as the Python exception the Python path would see.
-  static nb::object python_error_of(std::exception_ptr failure) {
-    auto make = [](PyObject* type, const char* text) {
-      PyObject* made = PyObject_CallFunction(type, "s", text);
-      if (!made) throw nb::python_error();
-      return nb::steal(made);
-    };
-    try {
-      std::rethrow_exception(failure);
-    } catch (nb::python_error& e) {
-      return nb::borrow(e.value());
-    } catch (const kd::MismatchError& e) {
-      return make(g_error_types[0], e.what());
-    } catch (const kd::PeerFailureError& e) {
-      return make(g_error_types[1], e.what());
-    } catch (const kd::TimeoutError& e) {
-      return make(g_error_types[2], e.what());
-    } catch (const kd::TransportError& e) {
-      return make(g_error_types[3], e.what());
-    } catch (const std::invalid_argument& e) {
-      return make(PyExc_ValueError, e.what());
-    } catch (const std::exception& e) {
-      return make(PyExc_RuntimeError, e.what());
-    }
-  }
-
   // Bucket `b` by the Python fallback: fallback(b, srcs, dsts, error), the
   // buffers as 1-D uint8 arrays, error the engine's error as Python's; it
   // returns None, or (code, message) for the op's status.
@@ -1083,11 +1158,7 @@ class TfPlan {
         srcs.append(bytes_array(srcs_in[i], nbytes_[i]));
         dsts.append(bytes_array(dsts_in[i], nbytes_[i]));
       }
-      nb::object result = fallback_(b, srcs, dsts, error);
-      if (result.is_none()) return 0;
-      auto [code, text] = nb::cast<std::pair<int, std::string>>(result);
-      message = text;
-      return code == 0 ? kUnknown : code;
+      return status_of(fallback_(b, srcs, dsts, error), message);
     } catch (const std::exception& e) {
       message = std::string("keras_dist: the allreduce's fallback failed: ") + e.what();
       return kUnknown;
@@ -1101,15 +1172,101 @@ class TfPlan {
     return nb::steal(a);
   }
 
-  nb::object engine_obj_;  // keeps the engine alive
-  kd::ShmEngine* engine_;
   kd::Op op_;
   bool average_;
   std::vector<uint64_t> nbytes_;
-  nb::callable fallback_;
-  nb::callable record_;
   std::vector<Bucket> buckets_;
-  int64_t id_ = 0;
+};
+
+// A traced TensorFlow step's allgathers as one KerasDistAllgather op: tensor
+// i gathered as kd.allgather gathers it (gather_core, named names[i]), one
+// after another, each counted as one allgather and recorded by
+// record(i, nbytes, start_ns, end_ns, wait_ns) (nbytes: the result's). Where the ranks disagree, or the
+// engine raises, fallback(i, headers, error) (headers: bytes as
+// dispatch_allgather returns them, or None; error: the engine's error as
+// Python's, or None) returns (code, message): the op fails with that status.
+class TfGatherPlan : public TfPlanBase {
+ public:
+  TfGatherPlan(nb::handle engine, std::vector<std::string> names, std::vector<int> type_numbers,
+               std::vector<size_t> itemsizes, nb::callable fallback, nb::callable record)
+      : TfPlanBase(engine, std::move(fallback), std::move(record)),
+        names_(std::move(names)),
+        type_numbers_(std::move(type_numbers)),
+        itemsizes_(std::move(itemsizes)) {
+    if (type_numbers_.size() != names_.size() || itemsizes_.size() != names_.size()) {
+      throw nb::value_error("TfGatherPlan: one name, type number and item size per tensor");
+    }
+    for (const std::string& name : names_) shapes_names_.push_back(name + " shapes");
+  }
+
+  // See tf_allgather_entry. Called without the GIL.
+  template <class Out>
+  int run(int count, const void* const* srcs, const int* ndims, const int64_t* dims, Out&& out,
+          std::string& message) {
+    if (size_t(count) != names_.size()) {
+      message = "KerasDistAllgather: the op has " + std::to_string(count) +
+                " tensors, its plan " + std::to_string(names_.size());
+      return kInvalidArgument;
+    }
+    thread_local std::vector<int64_t> headers;
+    for (int i = 0; i < count; ++i) {
+      GatherIn in{srcs[i], ndims[i] == 0 ? 1 : ndims[i], {}, type_numbers_[size_t(i)],
+                  itemsizes_[size_t(i)]};
+      if (ndims[i] > kGatherMaxDims) {
+        message = "KerasDistAllgather: `allgather` takes at most " +
+                  std::to_string(kGatherMaxDims) + " dimensions. Received: " +
+                  std::to_string(ndims[i]);
+        return kInvalidArgument;
+      }
+      if (ndims[i] == 0) in.dims[0] = 1;
+      std::copy(dims + size_t(i) * kGatherMaxDims, dims + size_t(i) * kGatherMaxDims + ndims[i],
+                in.dims);
+      const int64_t start = realtime_ns();
+      const double waited = engine_->wait_seconds();
+      bool agreed = false;
+      std::exception_ptr failure;
+      int64_t gathered = 0;  // the result's bytes
+      try {
+        agreed = gather_core<NoRelease>(
+            *engine_, in, names_[size_t(i)], shapes_names_[size_t(i)],
+            [&](int64_t rows) {
+              gathered = rows * int64_t(in.itemsize);
+              for (int d = 1; d < in.ndim; ++d) gathered *= in.dims[d];
+              return out(i, rows);
+            },
+            headers);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      const int64_t end = realtime_ns();
+      const int64_t wait_ns = int64_t((engine_->wait_seconds() - waited) * 1e9);
+      nb::gil_scoped_acquire acquire;
+      if (!agreed) {
+        try {
+          nb::object error = failure ? python_error_of(failure) : nb::none();
+          failure = nullptr;  // a held python_error is released with the GIL
+          nb::object described = nb::none();
+          if (error.is_none()) described = nb::bytes(headers.data(), headers.size() * sizeof(int64_t));
+          const int code = status_of(fallback_(i, described, error), message);
+          if (code == 0) message = "keras_dist: the allgather's fallback gave no status";
+          return code == 0 ? kUnknown : code;
+        } catch (const std::exception& e) {
+          message = std::string("keras_dist: the allgather's fallback failed: ") + e.what();
+          return kUnknown;
+        }
+      }
+      const int code =
+          finish(dispatch().key_allgather, 1,
+                 [&] { record_(i, gathered, start, end, wait_ns); }, message);
+      if (code != 0) return code;
+    }
+    return 0;
+  }
+
+ private:
+  std::vector<std::string> names_, shapes_names_;
+  std::vector<int> type_numbers_;
+  std::vector<size_t> itemsizes_;
 };
 
 }  // namespace
@@ -1123,7 +1280,7 @@ extern "C" int keras_dist_tf_allreduce_entry(int64_t plan, int count, const void
                                              char* message, size_t message_bytes) {
   std::string text;
   int code = 0;
-  TfPlan* found = TfPlan::find(plan);
+  TfPlan* found = TfPlanBase::find<TfPlan>(plan);
   if (!found) {
     text = "keras_dist: this traced step's allreduce plan is gone (the step was traced "
            "before keras_dist was shut down or initialised again): trace the step again";
@@ -1139,9 +1296,40 @@ extern "C" int keras_dist_tf_allreduce_entry(int64_t plan, int count, const void
   return code;
 }
 
-namespace {
+// KerasDistAllgather's entry (tf_kernel.cc): the plan numbered `plan` on
+// `count` tensors, `srcs[i]` of `ndims[i]` dimensions (`dims`, kGatherMaxDims
+// per tensor). `out(out_context, i, rows)` returns where tensor i's result
+// (rows, *its dims[1:]) goes, or null where it could not be made. Returns 0,
+// or a TF_Code with `message` filled (NUL-terminated, at most `message_bytes`).
+extern "C" int keras_dist_tf_allgather_entry(int64_t plan, int count, const void* const* srcs,
+                                             const int* ndims, const int64_t* dims,
+                                             void* (*out)(void*, int, int64_t),
+                                             void* out_context, char* message,
+                                             size_t message_bytes) {
+  std::string text;
+  int code = 0;
+  TfGatherPlan* found = TfPlanBase::find<TfGatherPlan>(plan);
+  if (!found) {
+    text = "keras_dist: this traced step's allgather plan is gone (the step was traced "
+           "before keras_dist was shut down or initialised again): trace the step again";
+    code = 9;  // FAILED_PRECONDITION
+  } else {
+    code = found->run(count, srcs, ndims, dims,
+                      [&](int i, int64_t rows) {
+                        void* at = out(out_context, i, rows);
+                        if (!at) throw std::runtime_error("the output could not be made");
+                        return at;
+                      },
+                      text);
+  }
+  if (code != 0 && message_bytes > 0) {
+    const size_t n = std::min(text.size(), message_bytes - 1);
+    std::memcpy(message, text.data(), n);
+    message[n] = '\0';
+  }
+  return code;
+}
 
-}  // namespace
 
 NB_MODULE(_native, m) {
   m.doc() = "keras_dist native kernels and the shared-memory engine.";
@@ -1210,7 +1398,21 @@ NB_MODULE(_native, m) {
                     nb::callable>(),
            nb::arg("engine"), nb::arg("buckets"), nb::arg("op"), nb::arg("average"),
            nb::arg("nbytes"), nb::arg("fallback"), nb::arg("record"))
-      .def_prop_ro("id", &TfPlan::id);
+      .def_prop_ro("id", [](const TfPlan& plan) { return plan.id(); });
+  nb::class_<TfGatherPlan>(m, "TfGatherPlan",
+                           "A traced TensorFlow step's allgathers, for the KerasDistAllgather "
+                           "op: per tensor its name, numpy type number and item size; "
+                           "fallback(index, headers, error) gives the op's status where the "
+                           "ranks disagree or the engine raises, record(index, nbytes, "
+                           "start_ns, end_ns, wait_ns) a timeline.")
+      .def(nb::init<nb::handle, std::vector<std::string>, std::vector<int>, std::vector<size_t>,
+                    nb::callable, nb::callable>(),
+           nb::arg("engine"), nb::arg("names"), nb::arg("type_numbers"), nb::arg("itemsizes"),
+           nb::arg("fallback"), nb::arg("record"))
+      .def_prop_ro("id", [](const TfGatherPlan& plan) { return plan.id(); });
+  m.def("tf_allgather_entry_address",
+        [] { return int64_t(reinterpret_cast<intptr_t>(&keras_dist_tf_allgather_entry)); },
+        "The address of the KerasDistAllgather op's entry function.");
   m.def("tf_entry_address",
         [] { return int64_t(reinterpret_cast<intptr_t>(&keras_dist_tf_allreduce_entry)); },
         "The address of the KerasDistAllreduce op's entry function.");

@@ -1,5 +1,6 @@
-// keras_dist's TensorFlow op, KerasDistAllreduce: a traced step's grouped
-// allreduce without a trip through Python.
+// keras_dist's TensorFlow ops, KerasDistAllreduce and KerasDistAllgather: a
+// traced step's grouped allreduce, and its allgathers, without a trip
+// through Python.
 //
 // This library is loaded with tf.load_op_library (keras_dist/tensor/tf_kernel.py).
 // It is built without TensorFlow: it speaks TensorFlow's stable C API for ops
@@ -17,8 +18,13 @@
 // (the input has no other reader, as a step's fresh gradients): the
 // allreduce then runs in place, with nothing written to memory the step has
 // not just touched. Elsewhere the outputs live in regions the op keeps.
+//
+// KerasDistAllgather's outputs have a first dimension known only once the
+// ranks have exchanged their shapes: its entry asks the kernel for each
+// output (gather_output) when it knows its rows.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -81,10 +87,13 @@ struct Api {
   int64_t (*Dim)(const TF_Tensor*, int);
   void (*DeleteTensor)(TF_Tensor*);
   TF_DataType (*TensorType)(const TF_Tensor*);
+  size_t (*DataTypeSize)(TF_DataType);
   TF_Tensor* (*NewTensor)(TF_DataType, const int64_t*, int, void*, size_t,
                           void (*)(void*, size_t, void*), void*);
   TF_Tensor* (*AllocateOutput)(TF_OpKernelContext*, int, TF_DataType, const int64_t*, int, size_t,
                                TF_Status*);
+  // Optional: without it, KerasDistAllgather is not registered.
+  void (*ShapeInferenceContextSetUnknownShape)(TF_ShapeInferenceContext*, TF_Status*);
   // Optional (TensorFlow 2.4+): without it, no output reuses its input.
   TF_Tensor* (*ForwardInputOrAllocateOutput)(TF_OpKernelContext*, const int*, int, int,
                                              const int64_t*, int, int*, TF_Status*);
@@ -133,11 +142,15 @@ bool load_api() {
   get(api.Dim, "TF_Dim");
   get(api.DeleteTensor, "TF_DeleteTensor");
   get(api.TensorType, "TF_TensorType");
+  get(api.DataTypeSize, "TF_DataTypeSize");
   get(api.NewTensor, "TF_NewTensor");
   get(api.AllocateOutput, "TF_AllocateOutput");
   api.ForwardInputOrAllocateOutput =
       reinterpret_cast<decltype(api.ForwardInputOrAllocateOutput)>(
           dlsym(lib, "TF_ForwardInputOrAllocateOutput"));
+  api.ShapeInferenceContextSetUnknownShape =
+      reinterpret_cast<decltype(api.ShapeInferenceContextSetUnknownShape)>(
+          dlsym(lib, "TF_ShapeInferenceContextSetUnknownShape"));
   dlclose(lib);  // the process keeps TensorFlow loaded
   return ok;
 }
@@ -147,6 +160,14 @@ bool load_api() {
 // most `message_bytes`) filled in.
 using Entry = int (*)(int64_t plan, int count, const void* const* srcs, void* const* dsts,
                       const size_t* nbytes, char* message, size_t message_bytes);
+
+// keras_dist._native's allgather entry (`keras_dist_tf_allgather_entry` in
+// bindings.cc): `dims` holds kGatherMaxDims per tensor; `out(out_context, i,
+// rows)` makes output i and returns its data, or null.
+constexpr int kGatherMaxDims = 8;
+using GatherEntry = int (*)(int64_t plan, int count, const void* const* srcs, const int* ndims,
+                            const int64_t* dims, void* (*out)(void*, int, int64_t),
+                            void* out_context, char* message, size_t message_bytes);
 
 constexpr size_t kAlign = 64;  // TensorFlow's alignment for CPU tensors
 
@@ -182,6 +203,7 @@ std::atomic<int64_t> g_forwarded{0};
 
 struct Kernel {
   int64_t plan = 0;
+  intptr_t address = 0;  // the entry's (an Entry or a GatherEntry, by the op)
   Entry entry = nullptr;
   std::mutex mutex;  // guards `regions` and the making of `refused`
   std::vector<Region*> regions;
@@ -241,15 +263,27 @@ void* create(TF_OpKernelConstruction* ctx) {
   api.OpKernelConstruction_GetAttrInt64(ctx, "plan", &kernel->plan, status);
   if (api.GetCode(status) == 0) api.OpKernelConstruction_GetAttrInt64(ctx, "entry", &entry, status);
   if (api.GetCode(status) == 0 && entry == 0) {
-    api.SetStatus(status, 3 /* INVALID_ARGUMENT */, "KerasDistAllreduce: `entry` is 0");
+    api.SetStatus(status, 3 /* INVALID_ARGUMENT */, "keras_dist's op: `entry` is 0");
   }
   if (api.GetCode(status) != 0) api.OpKernelConstruction_Failure(ctx, status);
-  kernel->entry = reinterpret_cast<Entry>(static_cast<intptr_t>(entry));
+  kernel->address = static_cast<intptr_t>(entry);
+  kernel->entry = reinterpret_cast<Entry>(kernel->address);
   api.DeleteStatus(status);
   return kernel;
 }
 
 void destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
+
+// The end of a kernel's compute: the inputs it still holds released, a
+// failure in `status` made the op's, `status` deleted.
+void end_compute(TF_OpKernelContext* ctx, TF_Status* status,
+                 const std::vector<TF_Tensor*>& inputs) {
+  for (TF_Tensor* t : inputs) {
+    if (t) api.DeleteTensor(t);
+  }
+  if (api.GetCode(status) != 0) api.OpKernelContext_Failure(ctx, status);
+  api.DeleteStatus(status);
+}
 
 void compute(void* opaque, TF_OpKernelContext* ctx) {
   Kernel& kernel = *static_cast<Kernel*>(opaque);
@@ -333,11 +367,77 @@ void compute(void* opaque, TF_OpKernelContext* ctx) {
                                   message, sizeof(message));
     if (code != 0) api.SetStatus(status, code, message);
   }
-  for (TF_Tensor* t : inputs) {
-    if (t) api.DeleteTensor(t);
+  end_compute(ctx, status, inputs);
+}
+
+// KerasDistAllgather: each input gathered along its first dimension from
+// every rank (the entry exchanges the shapes, then asks for each output).
+struct GatherOutputs {
+  TF_OpKernelContext* ctx;
+  TF_Status* status;
+  const std::vector<TF_Tensor*>* inputs;
+  const std::vector<int>* ndims;
+  const std::vector<int64_t>* dims;
+};
+
+void* gather_output(void* opaque, int i, int64_t rows) {
+  static char empty[kAlign];  // where an output of no bytes points
+  auto& o = *static_cast<GatherOutputs*>(opaque);
+  TF_Tensor* in = (*o.inputs)[size_t(i)];
+  const int rank = std::max((*o.ndims)[size_t(i)], 1);
+  int64_t shape[kGatherMaxDims];
+  shape[0] = rows;
+  size_t items = size_t(rows);
+  for (int d = 1; d < rank; ++d) {
+    shape[d] = (*o.dims)[size_t(i) * kGatherMaxDims + size_t(d)];
+    items *= size_t(shape[d]);
   }
-  if (api.GetCode(status) != 0) api.OpKernelContext_Failure(ctx, status);
-  api.DeleteStatus(status);
+  TF_Tensor* out = api.AllocateOutput(o.ctx, i, api.TensorType(in), shape, rank,
+                                      items * api.DataTypeSize(api.TensorType(in)), o.status);
+  if (!out) return nullptr;
+  void* data = api.TensorData(out);
+  api.DeleteTensor(out);  // the context holds the output
+  return data && items ? data : empty;
+}
+
+void compute_gather(void* opaque, TF_OpKernelContext* ctx) {
+  Kernel& kernel = *static_cast<Kernel*>(opaque);
+  TF_Status* status = api.NewStatus();
+  const int count = api.NumInputs(ctx);
+  thread_local std::vector<TF_Tensor*> inputs;
+  thread_local std::vector<const void*> srcs;
+  thread_local std::vector<int> ndims;
+  thread_local std::vector<int64_t> dims;
+  inputs.assign(size_t(count), nullptr);
+  srcs.assign(size_t(count), nullptr);
+  ndims.assign(size_t(count), 0);
+  dims.assign(size_t(count) * kGatherMaxDims, 0);
+  static char empty[kAlign];
+  for (int i = 0; i < count && api.GetCode(status) == 0; ++i) {
+    api.GetInput(ctx, i, &inputs[size_t(i)], status);
+    if (api.GetCode(status) != 0) break;
+    TF_Tensor* in = inputs[size_t(i)];
+    ndims[size_t(i)] = api.NumDims(in);
+    for (int d = 0; d < std::min(ndims[size_t(i)], kGatherMaxDims); ++d) {
+      dims[size_t(i) * kGatherMaxDims + size_t(d)] = api.Dim(in, d);
+    }
+    srcs[size_t(i)] = api.TensorByteSize(in) ? api.TensorData(in) : empty;
+  }
+  if (api.GetCode(status) == 0) {
+    GatherOutputs outputs{ctx, status, &inputs, &ndims, &dims};
+    char message[4096];
+    message[0] = '\0';
+    const int code = reinterpret_cast<GatherEntry>(kernel.address)(
+        kernel.plan, count, srcs.data(), ndims.data(), dims.data(), &gather_output, &outputs,
+        message, sizeof(message));
+    if (code != 0 && api.GetCode(status) == 0) api.SetStatus(status, code, message);
+  }
+  end_compute(ctx, status, inputs);
+}
+
+// Outputs of unknown shapes (the first dimension is known only when the op runs).
+void unknown_shapes(TF_ShapeInferenceContext* ctx, TF_Status* status) {
+  api.ShapeInferenceContextSetUnknownShape(ctx, status);
 }
 
 // Registers the op and its CPU kernel while tf.load_op_library loads this
@@ -359,6 +459,22 @@ struct Registration {
       TF_KernelBuilder* builder =
           api.NewKernelBuilder("KerasDistAllreduce", "CPU", &create, &compute, &destroy);
       api.RegisterKernelBuilder("KerasDistAllreduce", builder, status);
+    }
+    if (api.GetCode(status) == 0 && api.ShapeInferenceContextSetUnknownShape) {
+      op = api.NewOpDefinitionBuilder("KerasDistAllgather");
+      api.OpDefinitionBuilderAddInput(op, "inputs: T");
+      api.OpDefinitionBuilderAddOutput(op, "outputs: T");
+      api.OpDefinitionBuilderAddAttr(op, "T: list(type)");
+      api.OpDefinitionBuilderAddAttr(op, "plan: int");
+      api.OpDefinitionBuilderAddAttr(op, "entry: int");
+      api.OpDefinitionBuilderSetIsStateful(op, true);
+      api.OpDefinitionBuilderSetShapeInferenceFunction(op, &unknown_shapes);
+      api.RegisterOpDefinition(op, status);
+      if (api.GetCode(status) == 0) {
+        TF_KernelBuilder* builder =
+            api.NewKernelBuilder("KerasDistAllgather", "CPU", &create, &compute_gather, &destroy);
+        api.RegisterKernelBuilder("KerasDistAllgather", builder, status);
+      }
     }
     api.DeleteStatus(status);
   }

@@ -1,5 +1,6 @@
-"""keras_dist's TensorFlow op on 2 ranks: results against float64, the numpy
-path's bits, a mismatch, a bucket larger than the shm buffer, the timeline."""
+"""keras_dist's TensorFlow ops on 2 ranks: allreduce results against float64,
+allgathers against every rank's rows, the numpy path's bits, mismatches, a
+bucket larger than the shm buffer, the timeline."""
 
 import re
 from pathlib import Path

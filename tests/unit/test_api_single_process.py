@@ -54,6 +54,30 @@ def test_size_one_collectives_are_the_identity():
     kd.barrier()
 
 
+def test_traced_size_one_allreduces_and_allgathers_add_no_host_call():
+    import tensorflow as tf
+
+    from keras_dist.tensor import ops
+
+    rng = np.random.default_rng(2)
+    x = tf.constant(rng.standard_normal((3, 4)).astype(np.float32))
+    scalar = tf.constant(np.int64(7))
+    ids = tf.constant(rng.integers(0, 9, 5))
+
+    @tf.function
+    def step(x, scalar, ids):
+        values, indices = ops.gather_rows(x, ids, name="rows")
+        return (kd.grouped_allreduce([x])[0], kd.allgather(x), kd.allgather(scalar), values,
+                indices)
+
+    reduced, gathered, gathered_scalar, values, indices = step(x, scalar, ids)
+    for got, want in ((reduced, x), (gathered, x), (values, x), (indices, ids)):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    assert gathered_scalar.shape == (1,) and gathered_scalar.numpy()[0] == 7
+    types = {op.type for op in step.get_concrete_function(x, scalar, ids).graph.get_operations()}
+    assert not any(t.startswith("PyFunc") or t.startswith("KerasDist") for t in types), types
+
+
 def test_bad_arguments_are_explained():
     with pytest.raises(ValueError, match=r"root_rank.*Received: root_rank=1 \(size=1\)"):
         kd.broadcast(np.ones(2), root_rank=1)

@@ -1,4 +1,4 @@
-"""keras_dist's TensorFlow op (``KerasDistAllreduce``) in one process.
+"""keras_dist's TensorFlow ops (``KerasDistAllreduce``, ``KerasDistAllgather``) in one process.
 
 A one-rank engine copies each input into its output, so every output must
 equal its input bit for bit: this checks the op's hand-over (shapes, dtypes,
@@ -197,3 +197,103 @@ def test_plan_arguments_are_checked(engine):
                        _vocab.SUM, False, [16], lambda *a: None, lambda *a: None)
     with pytest.raises(TypeError, match="`engine` must be a ShmEngine"):
         _native.TfPlan(object(), [], _vocab.SUM, False, [], lambda *a: None, lambda *a: None)
+
+
+# KerasDistAllgather: on a one-rank engine each output is its input (a
+# scalar as a vector of one element).
+GATHER_VALUES = [((5, 3), np.float32), ((), np.int64), ((0, 4), np.float16), ((9000,), np.uint8)]
+
+
+def _gather_values(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(shape) * 100).astype(dtype) for shape, dtype in GATHER_VALUES]
+
+
+def _traced_gather(engine, dtypes, fallback=None, record=None):
+    def step(*xs):
+        return tf_kernel.allgather(list(xs), engine, [f"g{i}" for i in range(len(xs))],
+                                   [np.dtype(d) for d in dtypes],
+                                   fallback or (lambda *a: (2, "unexpected fallback")),
+                                   record or (lambda *a: None))
+
+    return tf.function(step)
+
+
+def test_the_allgather_op_gives_each_input_back_on_one_rank(engine):
+    assert tf_kernel.gathers(), "the op library did not register KerasDistAllgather"
+    traced = _traced_gather(engine, [d for _, d in GATHER_VALUES])
+    for seed in range(3):
+        arrays = _gather_values(seed)
+        outputs = traced(*[tf.constant(a) for a in arrays])
+        for array, output in zip(arrays, outputs):
+            want = array.reshape(-1) if array.ndim == 0 else array
+            assert output.shape == want.shape and output.dtype == tf.as_dtype(array.dtype)
+            assert output.numpy().tobytes() == want.tobytes()
+    ops = traced.get_concrete_function(*[tf.constant(a) for a in arrays]).graph.get_operations()
+    assert [op.type for op in ops].count("KerasDistAllgather") == 1
+    assert not any(op.type.startswith("PyFunc") for op in ops)
+
+
+def test_an_allgather_engine_error_reaches_the_fallback_and_fails_the_step(engine):
+    seen = []
+
+    def fallback(index, headers, error):
+        seen.append((index, headers, error))
+        return tf_kernel.status_of(error, _native.CollectiveMismatchError)
+
+    traced = _traced_gather(engine, [np.float32], fallback=fallback)
+    engine.leave()  # the engine now refuses every collective
+    with pytest.raises(tf.errors.OpError, match="TransportError"):
+        traced(tf.constant(np.ones((2, 2), np.float32)))
+    assert len(seen) == 1
+    index, headers, error = seen[0]
+    assert index == 0 and headers is None and isinstance(error, _native.TransportError)
+
+
+def test_an_allgather_is_counted_and_recorded_with_its_bytes(engine):
+    from keras_dist._runtime import timeline
+    from keras_dist.tensor import ops  # sets up the counters the entry adds to
+
+    spans = []
+    traced = _traced_gather(engine, [d for _, d in GATHER_VALUES],
+                            record=lambda *args: spans.append(args))
+    arrays = _gather_values(5)
+    before = ops.COUNTERS["allgather"]
+    traced(*[tf.constant(a) for a in arrays])
+    assert spans == []  # no timeline
+    assert ops.COUNTERS["allgather"] - before == len(arrays)
+    timeline._recorder = object()  # what the entry reads: recording
+    try:
+        traced(*[tf.constant(a) for a in arrays])
+    finally:
+        timeline._recorder = None
+    assert [(index, nbytes) for index, nbytes, *_ in spans] == [
+        (i, a.nbytes) for i, a in enumerate(arrays)]
+    for _, _, start, end, wait in spans:
+        assert 0 < start <= end and 0 <= wait <= end - start
+
+
+def test_an_allgather_whose_plan_is_gone_or_another_kind_fails_and_says_why(engine):
+    reduce_plan = _native.TfPlan(engine, [], _vocab.SUM, False, [], lambda *a: None,
+                                 lambda *a: None)
+    gather_plan = _native.TfGatherPlan(engine, ["g"], [np.dtype(np.float32).num], [4],
+                                       lambda *a: None, lambda *a: None)
+    gone = gather_plan.id
+    del gather_plan
+    gc.collect()
+    for number in (gone, reduce_plan.id):
+
+        @tf.function
+        def step(x, number=number):
+            return tf_kernel.library().keras_dist_allgather(
+                [x], plan=number, entry=_native.tf_allgather_entry_address())
+
+        with pytest.raises(tf.errors.FailedPreconditionError, match="allgather plan is gone"):
+            step(tf.constant(np.ones(3, np.float32)))
+
+
+def test_gather_plan_arguments_are_checked(engine):
+    with pytest.raises(ValueError, match="one name, type number and item size per tensor"):
+        _native.TfGatherPlan(engine, ["a", "b"], [11], [4], lambda *a: None, lambda *a: None)
+    with pytest.raises(TypeError, match="`engine` must be a ShmEngine"):
+        _native.TfGatherPlan(object(), [], [], [], lambda *a: None, lambda *a: None)

@@ -1,4 +1,5 @@
-"""A traced TF step's grouped allreduce through keras_dist's op (``tf_kernel``).
+"""A traced TF step's grouped allreduce and allgathers through keras_dist's
+ops (``tf_kernel``).
 
 Every rank regenerates every rank's data (seeded by rank and step), so each
 result is checked against a float64 reference built here. Prints
@@ -152,26 +153,130 @@ def test_mismatched_shapes_fail_on_every_rank_and_the_job_goes_on():
 
 
 def test_a_timeline_records_the_op_with_its_waits():
-    directory = tempfile.mkdtemp(prefix=f"kd-tfop-{RANK}-")
-    kd.start_timeline(os.path.join(directory, "t.json"))
-
     @tf.function
     def step(xs):
         return kd.grouped_allreduce(xs, op=kd.Average)
 
+    events = timeline_events(lambda: step([tf.constant(a) for a in data(RANK, 2)]))
+    names = [e["name"] for e in events if e.get("ph") == "X"]
+    assert names.count("allreduce") == 1, names
+    assert "wait for peers" in names and "move data" in names, names
+
+
+def timeline_events(run):
+    """The events this rank's timeline recorded while ``run()`` ran."""
+    directory = tempfile.mkdtemp(prefix=f"kd-tfop-{RANK}-")
+    kd.start_timeline(os.path.join(directory, "t.json"))
     try:
-        step([tf.constant(a) for a in data(RANK, 2)])
+        run()
     finally:
         kd.stop_timeline(summary=False)
     (part,) = glob.glob(os.path.join(directory, "t.json.rank*"))
     with open(part) as lines:
         events = [json.loads(line) for line in lines]
-    names = [e["name"] for e in events if e.get("ph") == "X"]
-    assert names.count("allreduce") == 1, names
-    assert "wait for peers" in names and "move data" in names, names
     for leftover in glob.glob(os.path.join(directory, "*")):
         os.unlink(leftover)
     os.rmdir(directory)
+    return events
+
+
+# Allgathers: per spec (shape past the first dimension, dtype), rank r's rows
+# are base + r * 3 + step % 2; one spec's data is larger than the shm buffer.
+GATHER_SPECS = [((4,), np.float32, 1), ((), np.int64, 2), ((2, 3), np.float16, 0),
+                ((), np.uint8, 5), ((50_000,), np.float32, 2), ((7,), np.float64, 0)]
+
+
+def gathered_data(rank, step):
+    rng = np.random.default_rng([rank, step, 11])
+    out = []
+    for rest, dtype, base in GATHER_SPECS:
+        shape = (base + rank * 3 + step % 2, *rest)
+        values = (rng.standard_normal(shape) * 100 if np.dtype(dtype).kind == "f"
+                  else rng.integers(0, 200, shape))
+        out.append(values.astype(dtype))
+    return out
+
+
+def gathered_reference(step):
+    return [np.concatenate([gathered_data(r, step)[i] for r in range(SIZE)])
+            for i in range(len(GATHER_SPECS))]
+
+
+def gather_step():
+    from keras_dist.tensor import ops
+
+    @tf.function
+    def step(xs):
+        # Each alone (its own op), and the first two as a sparse gradient's
+        # values and indices (one op).
+        alone = [kd.allgather(x, name=f"gather {i}") for i, x in enumerate(xs)]
+        values, indices = ops.gather_rows(xs[0], xs[1], name="rows")
+        return alone, values, indices
+
+    return step
+
+
+def test_allgathers_match_every_ranks_rows_and_the_numpy_paths_bits():
+    previous = os.environ.get("KERAS_DIST_TF_OP")
+    results = {}
+    for setting in ("1", "0"):
+        os.environ["KERAS_DIST_TF_OP"] = setting  # read when the step is traced
+        step = gather_step()
+        for k in range(4):  # row counts change from step to step
+            alone, values, indices = step([tf.constant(a) for a in gathered_data(RANK, k)])
+            want = gathered_reference(k)
+            for got, w in zip(alone, want):
+                assert got.dtype == w.dtype and got.shape == w.shape, (got.shape, w.shape)
+                assert got.numpy().tobytes() == w.tobytes(), "a gather's bytes differ"
+            assert np.array_equal(values.numpy(), want[0]), "the values' rows differ"
+            assert np.array_equal(indices.numpy(), want[1]), "the indices differ"
+        types = step.get_concrete_function(
+            [tf.TensorSpec([None, *rest], dtype) for rest, dtype, _ in GATHER_SPECS]
+        ).graph.get_operations()
+        types = [op.type for op in types]
+        if setting == "1":
+            # One op per gather alone and one for the values and indices together.
+            assert types.count("KerasDistAllgather") == len(GATHER_SPECS) + 1, types
+            assert not any("PyFunc" in t for t in types), types
+        else:
+            assert "KerasDistAllgather" not in types, types
+        results[setting] = [a.numpy() for a in alone]
+    if previous is None:
+        del os.environ["KERAS_DIST_TF_OP"]
+    else:
+        os.environ["KERAS_DIST_TF_OP"] = previous
+    for a, b in zip(results["1"], results["0"]):
+        assert a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def test_an_allgather_of_mismatched_shapes_fails_on_every_rank_and_the_job_goes_on():
+    @tf.function
+    def step(x):
+        return kd.allgather(x, name="mismatched")
+
+    try:
+        step(tf.constant(np.ones((2, 3 + RANK), np.float32)))
+    except tf.errors.FailedPreconditionError as error:
+        assert "CollectiveMismatchError" in str(error), str(error)
+        assert "rank 1: shape=(2, 4)" in str(error), str(error)
+    else:
+        raise AssertionError("a mismatch did not fail the step")
+    mine = gathered_data(RANK, 3)[0]
+    got = step(tf.constant(mine)).numpy()
+    assert np.array_equal(got, gathered_reference(3)[0])
+
+
+def test_a_timeline_records_each_allgather_with_its_bytes():
+    step = gather_step()
+    events = timeline_events(lambda: step([tf.constant(a) for a in gathered_data(RANK, 0)]))
+    gathers = [e for e in events if e.get("ph") == "X" and e["name"] == "allgather"]
+    assert len(gathers) == len(GATHER_SPECS) + 2, gathers
+    want = gathered_reference(0)
+    by_name = {e["args"]["name"]: e["args"]["bytes"] for e in gathers}
+    for i, w in enumerate(want):
+        assert by_name[f"gather {i}"] == w.nbytes, (i, by_name)
+    assert by_name["rows values"] == want[0].nbytes, by_name
+    assert by_name["rows indices"] == want[1].nbytes, by_name
 
 
 for check_name in [n for n in sorted(globals()) if n.startswith("test_")]:
