@@ -375,7 +375,8 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
         name: str, shapes: Callable[[list], list] | None = None, grad: GradFn | None = None,
         out_dtypes: Sequence | None = None,
         device_fn: Callable[[list], list] | None = None, one_buffer: bool = False,
-        graph_kernel: Callable[[list], list | None] | None = None) -> list:
+        graph_kernel: Callable[[list], list | None] | None = None,
+        in_place: Callable[[list], None] | None = None) -> list:
     """Applies ``numpy_fn`` to ``values``; TF values get a TF op, with a gradient.
 
     Eager values are converted to numpy and back (each output as the kind of
@@ -409,6 +410,10 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
         graph_kernel: in a traced TF step on the host (not the device path),
             builds the op itself from the symbolic inputs instead of the
             ``numpy_function`` op (``tf_kernel``), or returns None.
+        in_place: what ``numpy_fn`` does, leaving each result in its input
+            array (same shapes and dtypes); where given, a traced JAX step on
+            the CPU takes it on the buffers XLA hands the callback, each
+            output the buffer of its input (``jax_glue.run_traced``).
 
     Returns:
         The outputs as a list.
@@ -422,7 +427,8 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
     if any(is_jax(v) and _jax().is_traced(v) for v in values):
         same_shapes = shapes is None and (out_dtypes is None or len(out_dtypes) == len(values))
         return _jax().run_traced(values, numpy_fn, name, out_dtypes, same_shapes,
-                                 device_fn if same_shapes else None)
+                                 device_fn if same_shapes else None,
+                                 in_place if same_shapes and out_dtypes is None else None)
     same_outputs = shapes is None and out_dtypes is None
     if not any(is_tf(v) for v in values):
         path = device_path(values) if device_fn is not None and same_outputs else None

@@ -1,10 +1,15 @@
 """JAX arrays in the tensor layer, eager and inside ``jax.jit``.
 
 Imported only when a JAX value reaches a collective. Eager arrays go to
-numpy and back. Inside a traced function (Keras's jitted train step) a
-collective becomes one ordered ``io_callback``: the host runs the numpy
-function once per call of the compiled step, in program order, so every rank
-runs its collectives in the same sequence, with or without XLA. Outputs of a
+numpy and back. Inside a traced function (Keras's jitted train step) on the
+CPU a collective becomes one ``jax.experimental.buffer_callback``: XLA hands
+the callback its input and output buffers, which the numpy function reads
+and fills as numpy views of the same memory, once per call of the compiled
+step; each callback traced in a function takes an output of the one before
+it, so every rank runs its collectives in the same sequence
+(``run_traced_on_device``). An ordered ``io_callback``, which converts every
+input and output, cost 1-3 ms a call more for 2.7 MB; it serves where JAX
+compiles for a GPU and the collective has no device path. Outputs of a
 traced collective must have static shapes: collectives whose output shape
 depends on other ranks (allgather, alltoall, ...) raise a clear error there.
 
@@ -52,10 +57,11 @@ def like(template, array: np.ndarray):
 
 def run_traced(values: Sequence, numpy_fn: Callable, name: str,
                out_dtypes: Sequence | None, same_shapes: bool,
-               device_fn: Callable | None = None) -> list:
-    """``numpy_fn`` on traced values as one ordered host callback; ``device_fn``
+               device_fn: Callable | None = None, in_place: Callable | None = None) -> list:
+    """``numpy_fn`` on traced values as one host callback; ``device_fn``
     (device arrays in and out, same shapes and dtypes), where given, as a
-    buffer callback on the GPU when ``traced_device_module`` finds one."""
+    buffer callback on the GPU when ``traced_device_module`` finds one;
+    ``in_place`` (``conversions.run``), where given, on the CPU."""
     if not same_shapes:
         raise NotImplementedError(
             f"keras_dist `{name}` on a traced JAX array needs a static output shape, which "
@@ -68,6 +74,9 @@ def run_traced(values: Sequence, numpy_fn: Callable, name: str,
         if xp is not None:
             return run_traced_on_device(values, device_fn, xp)
     dtypes = list(out_dtypes) if out_dtypes is not None else [v.dtype for v in values]
+    if jax.default_backend() == "cpu":
+        # The buffers themselves, as numpy views (see the module's docstring).
+        return run_traced_on_device(values, numpy_fn, np, dtypes, in_place)
     results = [jax.ShapeDtypeStruct(v.shape, d) for v, d in zip(values, dtypes)]
 
     def host(*arrays):
@@ -124,8 +133,14 @@ def traced_device_module(values):
 _last_device_call: list = [None, None]
 
 
-def run_traced_on_device(values: Sequence, device_fn: Callable, xp) -> list:
-    """``device_fn`` inside ``jax.jit`` as one buffer callback on XLA's stream.
+def run_traced_on_device(values: Sequence, device_fn: Callable, xp,
+                         dtypes: Sequence | None = None,
+                         in_place: Callable | None = None) -> list:
+    """``device_fn`` inside ``jax.jit`` as one buffer callback on XLA's stream
+    (outputs shaped as the values, of ``dtypes``, default the values').
+    ``in_place`` (host buffers only: ``xp`` numpy, the values' dtypes), where
+    given, runs instead on the outputs, each its input's buffer: XLA hands
+    the callback outputs that hold their inputs' values (input/output aliases).
 
     Ordering: the callback runs when XLA reaches it on its execution stream
     (``ctx.stream``), after the ops that produced its inputs; cupy works on that
@@ -137,13 +152,14 @@ def run_traced_on_device(values: Sequence, device_fn: Callable, xp) -> list:
     output of the previous one as an extra input, so every rank runs them in
     the order they were traced.
 
-    ``xp`` is cupy on a GPU; the CPU tests pass numpy (buffers on the CPU,
-    no stream).
+    ``xp`` is cupy on a GPU, numpy where JAX compiles for the CPU (the
+    buffers are host memory; no stream).
     """
     from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
     values = [jnp.asarray(v) for v in values]
-    results = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values)
+    dtypes = list(dtypes) if dtypes is not None else [v.dtype for v in values]
+    results = tuple(jax.ShapeDtypeStruct(v.shape, d) for v, d in zip(values, dtypes))
     count = len(values)
     trace = getattr(values[0], "_trace", None)
     previous = [_last_device_call[1]] if trace is not None and \
@@ -155,12 +171,17 @@ def run_traced_on_device(values: Sequence, device_fn: Callable, xp) -> list:
         buffers = buffers[:count]
         stream = None if xp is np else ctx.stream
         device_id = buffers[0].__dlpack_device__()[1] if buffers else 0
+        if in_place is not None:
+            in_place([xp.from_dlpack(output) for output in outputs])
+            return
         with gpu.device_scope(xp, device_id, stream):
             reduced = device_fn([xp.from_dlpack(b) for b in buffers])
             for output, result in zip(outputs, reduced):
                 xp.from_dlpack(output)[...] = result.reshape(output.shape)
 
-    outputs = buffer_callback(callback, results, has_side_effect=True)(*values, *previous)
+    aliases = {i: i for i in range(count)} if in_place is not None else None
+    outputs = buffer_callback(callback, results, has_side_effect=True,
+                              input_output_aliases=aliases)(*values, *previous)
     if trace is not None and outputs:
         _last_device_call[:] = [trace, outputs[0]]
     return list(outputs)

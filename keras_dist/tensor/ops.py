@@ -183,7 +183,10 @@ def _allreduce_plan(arrays: list[np.ndarray], op: ReduceOp, name: str,
 
 def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
                       postscale: float, name: str, group=None,
-                      labels: list[str] | None = None) -> list[np.ndarray]:
+                      labels: list[str] | None = None,
+                      results: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """The allreduce of ``arrays``: new arrays, or ``results`` (arrays of the
+    same shapes and dtypes, ``arrays`` themselves for one in place) filled."""
     group = group or context.get()
     if group.size == 1:
         _check_allreduce_inputs([a.dtype for a in arrays])
@@ -196,7 +199,7 @@ def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
     # Every result is a view of one aligned buffer, in the order of `arrays`:
     # one allocation, and no copy when a traced TensorFlow step takes them
     # (as that buffer, `conversions`) from tf.numpy_function.
-    outputs = fusion.aligned_views(arrays, offsets, total)
+    outputs = results if results is not None else fusion.aligned_views(arrays, offsets, total)
     # The shm transport reduces a bucket from the arrays straight into the
     # results, without a fused buffer, when nothing is scaled but an Average.
     reduce_parts = prescale == 1.0 and postscale == 1.0 and callable(
@@ -693,11 +696,25 @@ def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale:
         "allreduce",
         grad=tf_ops.allreduce_grad(grouped_allreduce, op, prescale, postscale, process_set),
         device_fn=_device_allreduce(op, prescale, postscale, name, group, labels),
+        in_place=(_in_place(lambda arrays: _allreduce_arrays(
+            arrays, op, prescale, postscale, name or "allreduce", group, labels, arrays))
+            if reduce_arrays is _allreduce_arrays else None),
         one_buffer=True,
         graph_kernel=_graph_kernel(op, prescale, postscale, name or "allreduce", group, labels,
                                    reduce_arrays),
     )
     return [compression.decompress(r, c) for r, c in zip(results, contexts)]
+
+
+def _in_place(reduce_arrays):
+    """``reduce_arrays`` (arrays in, results out) as ``conversions.run``'s
+    ``in_place``: each result left in its array."""
+    def run_in_place(arrays: list[np.ndarray]) -> None:
+        for array, result in zip(arrays, reduce_arrays(arrays)):
+            if result is not array:
+                np.copyto(array, result)
+
+    return run_in_place
 
 
 def _device_allreduce(op: ReduceOp, prescale: float, postscale: float, name: str | None,

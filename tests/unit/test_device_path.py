@@ -240,10 +240,32 @@ def test_jax_inside_jit_takes_ordered_buffer_callbacks(monkeypatch):
     np.testing.assert_array_equal(np.asarray(second), np.full(3, 4.0))
 
 
-def test_jax_inside_jit_without_a_gpu_keeps_the_ordered_host_callback():
-    jaxpr = jax.make_jaxpr(lambda x: kd.grouped_allreduce([x], op=kd.Sum))(jnp.ones(2)).jaxpr
+def test_jax_inside_jit_on_the_cpu_takes_ordered_buffer_callbacks_on_host_buffers():
+    # The allreduce runs in place on its input's buffer (a fresh one here, and
+    # `x` itself, which the caller keeps), the broadcast through numpy_fn.
+    def step(x, y):
+        return (kd.grouped_allreduce([x * 3.0], op=kd.Sum)[0],
+                kd.grouped_allreduce([x], op=kd.Sum, postscale_factor=2.0)[0],
+                kd.broadcast(y, 0))
+
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((5, 2)).astype(np.float32))
+    kept = np.array(x)
+    y = jnp.asarray(rng.integers(0, 9, 7).astype(np.int32))
+    jaxpr = jax.make_jaxpr(step)(x, y).jaxpr
     names = [e.primitive.name for e in jaxpr.eqns]
-    assert "io_callback" in names and "buffer_callback" not in names
+    assert "io_callback" not in names, names
+    callbacks = [e for e in jaxpr.eqns if e.primitive.name == "buffer_callback"]
+    assert len(callbacks) == 3
+    assert callbacks[0].outvars[0] in callbacks[1].invars
+    assert callbacks[1].outvars[0] in callbacks[2].invars
+    for _ in range(2):
+        summed, scaled, broadcast = jax.jit(step)(x, y)
+        np.testing.assert_array_equal(np.asarray(summed), kept * 3.0)
+        np.testing.assert_array_equal(np.asarray(scaled), kept * 2.0)
+        np.testing.assert_array_equal(np.asarray(x), kept)
+        assert broadcast.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(broadcast), np.asarray(y))
 
 
 def _op_types(function, *args):
