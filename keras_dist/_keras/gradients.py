@@ -215,8 +215,8 @@ class GradientReduction:
             dense.append(index)
         for run in _partition(dense, variables, self.groups):
             with timeline.tensor_names(_names(variables, run)):
-                results = kd_ops.grouped_allreduce(
-                    [reduced[i] for i in run], op=op, prescale_factor=prescale,
+                results = kd_ops.grouped_allreduce_gradients(
+                    [reduced[i] for i in run], op, prescale_factor=prescale,
                     postscale_factor=postscale, compression=self.compression,
                     process_set=self.process_set)
             for index, result in zip(run, results):

@@ -664,6 +664,32 @@ def grouped_allreduce(xs: Sequence, op: ReduceOp | None = None, name: str | None
     return results
 
 
+def grouped_allreduce_gradients(xs: Sequence, op: ReduceOp, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0, compression=Compression.none,
+                                process_set=None) -> list:
+    """``grouped_allreduce`` of an optimizer's own fresh gradients, which it may
+    overwrite: contiguous CPU torch tensors are reduced in their own memory and
+    returned (as Horovod's ``allreduce_``), so the update reads the memory the
+    backward pass has just written; any other values (or tensors sharing
+    memory) as ``grouped_allreduce``."""
+    if (compression is not Compression.none or op is _vocab.Adasum or not xs
+            or not all(conversions.is_torch(x) and x.device.type == "cpu"
+                       and x.is_contiguous() for x in xs)
+            or len({x.data_ptr() for x in xs if x.numel()}) < sum(1 for x in xs if x.numel())):
+        return grouped_allreduce(xs, op=op, prescale_factor=prescale_factor,
+                                 postscale_factor=postscale_factor, compression=compression,
+                                 process_set=process_set)
+    op = _check_op(op, None)
+    group = context.group_for(process_set)
+    arrays = [conversions.to_numpy(x) for x in xs]
+    _check_allreduce_inputs([a.dtype for a in arrays])
+    labels = timeline.current_names()
+    prescale, postscale = float(prescale_factor), float(postscale_factor)
+    _in_place(lambda a: _allreduce_arrays(a, op, prescale, postscale, "allreduce", group,
+                                          labels, a))(arrays)
+    return list(xs)
+
+
 def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale: float,
                              postscale: float, compression, group, process_set) -> list:
     on_gpu = [is_cupy(unwrap(x)) for x in xs]

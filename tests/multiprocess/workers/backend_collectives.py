@@ -34,6 +34,25 @@ for kind, make in (("torch", lambda a: torch.tensor(a, dtype=torch.float32)),
     check(kd.allgather(make(rows[rank])), np.concatenate(rows), f"{kind} allgather")
     print(f"BACKEND COLLECTIVES {kind} ok rank={rank}")
 
+# An optimizer's gradients: CPU torch tensors reduced in their own memory.
+from keras_dist.tensor import ops  # noqa: E402
+
+grads = [inputs(5), inputs(6, (7,)), inputs(7, (0,))]
+mine = [torch.tensor(g[rank], dtype=torch.float32) for g in grads]
+memory = [t.data_ptr() for t in mine]
+reduced = ops.grouped_allreduce_gradients(mine, kd.Average, postscale_factor=2.0)
+for got, g, tensor, ptr in zip(reduced, grads, mine, memory):
+    assert got is tensor and got.data_ptr() == ptr, "not reduced in place"
+    check(got, 2.0 * np.mean(g, axis=0), "gradients in place")
+# Tensors sharing memory are not overwritten: reduced as grouped_allreduce.
+shared = torch.tensor(inputs(8)[rank], dtype=torch.float32)
+before = shared.clone()
+twice = ops.grouped_allreduce_gradients([shared, shared], kd.Sum)
+assert torch.equal(shared, before) and twice[0] is not shared
+for got in twice:
+    check(got, np.sum(inputs(8), axis=0), "gradients sharing memory")
+print(f"BACKEND COLLECTIVES torch gradients ok rank={rank}")
+
 xs, ys = inputs(3), inputs(4, (5,))
 
 
