@@ -685,8 +685,7 @@ def grouped_allreduce_gradients(xs: Sequence, op: ReduceOp, prescale_factor: flo
     _check_allreduce_inputs([a.dtype for a in arrays])
     labels = timeline.current_names()
     prescale, postscale = float(prescale_factor), float(postscale_factor)
-    _in_place(lambda a: _allreduce_arrays(a, op, prescale, postscale, "allreduce", group,
-                                          labels, a))(arrays)
+    _in_place(op, prescale, postscale, "allreduce", group, labels)(arrays)
     return list(xs)
 
 
@@ -722,9 +721,8 @@ def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale:
         "allreduce",
         grad=tf_ops.allreduce_grad(grouped_allreduce, op, prescale, postscale, process_set),
         device_fn=_device_allreduce(op, prescale, postscale, name, group, labels),
-        in_place=(_in_place(lambda arrays: _allreduce_arrays(
-            arrays, op, prescale, postscale, name or "allreduce", group, labels, arrays))
-            if reduce_arrays is _allreduce_arrays else None),
+        in_place=(_in_place(op, prescale, postscale, name or "allreduce", group, labels)
+                  if reduce_arrays is _allreduce_arrays else None),
         one_buffer=True,
         graph_kernel=_graph_kernel(op, prescale, postscale, name or "allreduce", group, labels,
                                    reduce_arrays),
@@ -732,11 +730,14 @@ def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale:
     return [compression.decompress(r, c) for r, c in zip(results, contexts)]
 
 
-def _in_place(reduce_arrays):
-    """``reduce_arrays`` (arrays in, results out) as ``conversions.run``'s
-    ``in_place``: each result left in its array."""
+def _in_place(op: ReduceOp, prescale: float, postscale: float, name: str, group,
+              labels: list[str] | None):
+    """The allreduce as ``conversions.run``'s ``in_place``: each result left
+    in its array (a copy only where a group of one rank scales)."""
     def run_in_place(arrays: list[np.ndarray]) -> None:
-        for array, result in zip(arrays, reduce_arrays(arrays)):
+        results = _allreduce_arrays(arrays, op, prescale, postscale, name, group, labels,
+                                    arrays)
+        for array, result in zip(arrays, results):
             if result is not array:
                 np.copyto(array, result)
 
