@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import sys
 
 from keras_dist import process_sets as sets
 from keras_dist import transports
@@ -70,6 +71,9 @@ def shutdown() -> None:
             return
         timeline.stop_timeline()
         outputs.POOL.clear()
+        glue = sys.modules.get("keras_dist.tensor.jax_glue")
+        if glue is not None:  # its plans name this group's engine
+            glue.forget_plans()
         sets.close_all(group)
         group.close()
         jobstatus.record_done(group.rank)

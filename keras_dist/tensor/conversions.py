@@ -376,7 +376,8 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
         out_dtypes: Sequence | None = None,
         device_fn: Callable[[list], list] | None = None, one_buffer: bool = False,
         graph_kernel: Callable[[list], list | None] | None = None,
-        in_place: Callable[[list], None] | None = None) -> list:
+        in_place: Callable[[list], None] | None = None,
+        xla_kernel: Callable[[list], list | None] | None = None) -> list:
     """Applies ``numpy_fn`` to ``values``; TF values get a TF op, with a gradient.
 
     Eager values are converted to numpy and back (each output as the kind of
@@ -414,6 +415,10 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
             array (same shapes and dtypes); where given, a traced JAX step on
             the CPU takes it on the buffers XLA hands the callback, each
             output the buffer of its input (``jax_glue.run_traced``).
+        xla_kernel: in a traced JAX step on the CPU, builds the step's call of
+            keras_dist's XLA FFI handler from the traced inputs (outputs shaped
+            and typed as the inputs) instead of the buffer callback, or
+            returns None.
 
     Returns:
         The outputs as a list.
@@ -426,9 +431,11 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
     values = [unwrap(v) for v in values]
     if any(is_jax(v) and _jax().is_traced(v) for v in values):
         same_shapes = shapes is None and (out_dtypes is None or len(out_dtypes) == len(values))
+        same_outputs = same_shapes and out_dtypes is None
         return _jax().run_traced(values, numpy_fn, name, out_dtypes, same_shapes,
                                  device_fn if same_shapes else None,
-                                 in_place if same_shapes and out_dtypes is None else None)
+                                 in_place if same_outputs else None,
+                                 xla_kernel if same_outputs else None)
     same_outputs = shapes is None and out_dtypes is None
     if not any(is_tf(v) for v in values):
         path = device_path(values) if device_fn is not None and same_outputs else None

@@ -284,17 +284,46 @@ def _graph_kernel(op: ReduceOp, prescale: float, postscale: float, label: str, g
     # In a group of one rank nothing is reduced or counted: no op in the step.
     return _kernel_for(group, tf_kernel.identities,
                        lambda transport, engine: _allreduce_builder(
-                           transport, engine, op, label, group, labels))
+                           transport, engine, op, label, group, labels),
+                       tf_kernel.enabled())
 
 
-def _kernel_for(group, alone, make):
+def _xla_kernel(op: ReduceOp, prescale: float, postscale: float, label: str, group,
+                labels: list[str] | None, reduce_arrays):
+    """For ``conversions.run``: a jitted JAX step's allreduce on the CPU through
+    keras_dist's XLA FFI handler (``jax_glue.native_allreduce``): a builder
+    of the traced values' outputs, or of None where the group, the call or
+    JAX needs the buffer callback."""
+    if reduce_arrays is not _allreduce_arrays or prescale != 1.0 or postscale != 1.0:
+        return None
+
+    def build(values: list) -> list | None:
+        from keras_dist.tensor import jax_glue
+
+        # In a group of one rank nothing is reduced or counted: no call in the step.
+        engine = _kernel_for(group, list, lambda transport, engine: engine,
+                             jax_glue.native_enabled())
+        if engine is list:
+            return list(values)
+        if engine is None:
+            return None
+        dtypes = [np.dtype(v.dtype) for v in values]
+        shapes = [tuple(v.shape) for v in values]
+        buckets, op_code, average, fallback, record = _native_plan_parts(
+            group.transport, op, label, group, labels, dtypes, shapes)
+        nbytes = [int(np.prod(s, dtype=np.int64)) * d.itemsize for d, s in zip(dtypes, shapes)]
+        return jax_glue.native_allreduce(values, _native.TfPlan(
+            engine, buckets, op_code, average, nbytes, fallback, record))
+
+    return build
+
+
+def _kernel_for(group, alone, make, enabled: bool):
     """The builder ``conversions.run`` takes as ``graph_kernel``: ``alone`` in a
     group of one rank, ``make(transport, engine)`` where the group runs on one
-    machine's shm engine, else None (the numpy path; also with the op turned
-    off, ``tf_kernel.enabled``)."""
-    from keras_dist.tensor import tf_kernel
-
-    if not tf_kernel.enabled():
+    machine's shm engine, else None (the numpy path; also where the native
+    op is turned off: ``enabled`` false)."""
+    if not enabled:
         return None
     if group.size == 1:
         return alone
@@ -302,6 +331,41 @@ def _kernel_for(group, alone, make):
     if shm is None or shm.engine is None:
         return None
     return make(group.transport, shm.engine)
+
+
+def _native_plan_parts(transport, op: ReduceOp, label: str, group, labels: list[str] | None,
+                       dtypes: list[np.dtype], shapes: list[tuple]) -> tuple:
+    """What ``_native.TfPlan`` takes, but the engine and the sizes, for an
+    allreduce of arrays of ``dtypes`` and ``shapes``: ``(buckets, op code,
+    average, fallback, record)``; the fallback does what the numpy path does
+    with an engine's error, the record what it records."""
+    from keras_dist.tensor import tf_kernel
+
+    templates = [np.broadcast_to(np.zeros((), d), s) for d, s in zip(dtypes, shapes)]
+    buckets, _, _, total = _allreduce_plan(templates, op, label,
+                                           group.config.fusion_threshold_bytes)
+
+    def fallback(index: int, srcs: list, dsts: list, error) -> tuple | None:
+        bucket, _, described = buckets[index]
+        kinds = [dtypes[i] for i in bucket], [shapes[i] for i in bucket]
+        members = tf_kernel.as_arrays(srcs, *kinds)
+        results = tf_kernel.as_arrays(dsts, *kinds)
+        try:
+            if isinstance(error, _NATIVE_ERRORS):
+                error = _translate(error)
+            if not isinstance(error, CollectiveMismatchError):
+                raise error
+            _parts_mismatched(transport, error, members, results, op, described, group.size)
+        except Exception as failure:  # noqa: BLE001 - becomes the op's status
+            return tf_kernel.status_of(failure, CollectiveMismatchError)
+        return None
+
+    def record(start_ns: int, end_ns: int, wait_ns: int) -> None:
+        timeline.record_collective(label, "allreduce", total, start_ns, end_ns, wait_ns, labels)
+
+    return ([(list(bucket), _vocab.dtype_code(dtype), described)
+             for bucket, dtype, described in buckets],
+            _vocab.TRANSPORT_OPS[op], op is Average, fallback, record)
 
 
 def _allreduce_builder(transport, engine, op: ReduceOp, label: str, group,
@@ -314,35 +378,8 @@ def _allreduce_builder(transport, engine, op: ReduceOp, label: str, group,
             return None
         dtypes = [np.dtype(t.dtype.as_numpy_dtype) for t in tensors]
         shapes = [tuple(t.shape.as_list()) for t in tensors]
-        templates = [np.broadcast_to(np.zeros((), d), s) for d, s in zip(dtypes, shapes)]
-        buckets, _, _, total = _allreduce_plan(templates, op, label,
-                                               group.config.fusion_threshold_bytes)
-
-        def fallback(index: int, srcs: list, dsts: list, error) -> tuple | None:
-            bucket, _, described = buckets[index]
-            kinds = [dtypes[i] for i in bucket], [shapes[i] for i in bucket]
-            members = tf_kernel.as_arrays(srcs, *kinds)
-            results = tf_kernel.as_arrays(dsts, *kinds)
-            try:
-                if isinstance(error, _NATIVE_ERRORS):
-                    error = _translate(error)
-                if not isinstance(error, CollectiveMismatchError):
-                    raise error
-                _parts_mismatched(transport, error, members, results, op, described,
-                                  group.size)
-            except Exception as failure:  # noqa: BLE001 - becomes the op's status
-                return tf_kernel.status_of(failure, CollectiveMismatchError)
-            return None
-
-        def record(start_ns: int, end_ns: int, wait_ns: int) -> None:
-            timeline.record_collective(label, "allreduce", total, start_ns, end_ns, wait_ns,
-                                       labels)
-
-        return tf_kernel.allreduce(
-            tensors, engine,
-            [(list(bucket), _vocab.dtype_code(dtype), described)
-             for bucket, dtype, described in buckets],
-            _vocab.TRANSPORT_OPS[op], op is Average, fallback, record)
+        return tf_kernel.allreduce(tensors, engine, *_native_plan_parts(
+            transport, op, label, group, labels, dtypes, shapes))
 
     return build
 
@@ -532,7 +569,8 @@ def _gather_kernel(names: list[str], group):
 
     # In a group of one rank each rank's rows are the result: no op in the step.
     return _kernel_for(group, tf_kernel.gathered_alone,
-                       lambda transport, engine: _gather_builder(transport, engine, names))
+                       lambda transport, engine: _gather_builder(transport, engine, names),
+                       tf_kernel.enabled())
 
 
 def _gather_builder(transport, engine, names: list[str]):
@@ -726,6 +764,8 @@ def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale:
         one_buffer=True,
         graph_kernel=_graph_kernel(op, prescale, postscale, name or "allreduce", group, labels,
                                    reduce_arrays),
+        xla_kernel=_xla_kernel(op, prescale, postscale, name or "allreduce", group, labels,
+                               reduce_arrays),
     )
     return [compression.decompress(r, c) for r, c in zip(results, contexts)]
 

@@ -1271,7 +1271,8 @@ class TfGatherPlan : public TfPlanBase {
 
 }  // namespace
 
-// KerasDistAllreduce's entry (its `entry` attribute is this address): the
+// KerasDistAllreduce's entry (its `entry` attribute is this address), and
+// the XLA FFI handler's (xla_handler.cc): the
 // plan numbered `plan` on `count` tensors, `srcs[i]` into `dsts[i]` (may be
 // the same buffer), `nbytes[i]` each. Returns 0, or a TF_Code with `message`
 // filled (NUL-terminated, at most `message_bytes`).
@@ -1295,6 +1296,10 @@ extern "C" int keras_dist_tf_allreduce_entry(int64_t plan, int count, const void
   }
   return code;
 }
+
+// The XLA FFI handler (xla_handler.cc), which hands a jitted JAX step's
+// buffers to keras_dist_tf_allreduce_entry.
+extern "C" void* keras_dist_xla_allreduce(void* call_frame);
 
 // KerasDistAllgather's entry (tf_kernel.cc): the plan numbered `plan` on
 // `count` tensors, `srcs[i]` of `ndims[i]` dimensions (`dims`, kGatherMaxDims
@@ -1413,6 +1418,10 @@ NB_MODULE(_native, m) {
   m.def("tf_allgather_entry_address",
         [] { return int64_t(reinterpret_cast<intptr_t>(&keras_dist_tf_allgather_entry)); },
         "The address of the KerasDistAllgather op's entry function.");
+  m.def("xla_allreduce_address",
+        [] { return int64_t(reinterpret_cast<intptr_t>(&keras_dist_xla_allreduce)); },
+        "The address of the XLA FFI handler of a jitted JAX step's allreduce "
+        "(xla_handler.cc).");
   m.def("tf_entry_address",
         [] { return int64_t(reinterpret_cast<intptr_t>(&keras_dist_tf_allreduce_entry)); },
         "The address of the KerasDistAllreduce op's entry function.");

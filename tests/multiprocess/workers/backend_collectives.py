@@ -67,3 +67,83 @@ for _ in range(3):  # the compiled step runs its collectives on every call, in o
     check(a, np.sum(xs, axis=0) + 1.0, "jit grouped allreduce", 1e-5)
     check(b, 2.0 * np.sum(ys, axis=0), "jit grouped allreduce (second)", 1e-5)
 print(f"BACKEND COLLECTIVES jit ok rank={rank}")
+
+# keras_dist's XLA FFI handler: a jitted allreduce on the CPU with no Python on
+# the step; every dtype it carries, several buckets, calls in traced order.
+from keras_dist.tensor.ops import COUNTERS  # noqa: E402
+
+dtypes = (np.float32, np.int32, np.float16, jnp.bfloat16, np.uint8)
+
+
+def everyone(i):
+    """Every rank's array of dtype i, as float64 (the exact values each holds)."""
+    rows = [np.random.default_rng([9, i, r]).normal(size=(3 + i,)) * 4 for r in range(size)]
+    if dtypes[i] is np.uint8:
+        rows = [np.abs(row) for row in rows]
+    return [np.asarray(jnp.asarray(row, dtypes[i]), np.float64) for row in rows]
+
+
+mine = [jnp.asarray(everyone(i)[rank], d) for i, d in enumerate(dtypes)]
+
+
+def native_fn(*arrays):
+    summed = kd.grouped_allreduce([a * 1 for a in arrays], op=kd.Sum)
+    largest = kd.grouped_allreduce([a * 1 for a in arrays[:2]], op=kd.Max)
+    average = kd.grouped_allreduce([arrays[0] * 1], op=kd.Average)
+    kd.allreduce(arrays[0] * 1, op=kd.Sum)  # unused: the call stays in the step
+    return summed, largest, average
+
+
+native_step = jax.jit(native_fn)
+jaxpr = jax.make_jaxpr(native_fn)(*mine).jaxpr
+calls = [e for e in jaxpr.eqns if e.primitive.name == "keras_dist_allreduce"]
+assert len(calls) == 4 and not any(e.primitive.name == "buffer_callback" for e in jaxpr.eqns), \
+    [e.primitive.name for e in jaxpr.eqns]
+for before, after in zip(calls, calls[1:]):  # chained: XLA runs them in the traced order
+    assert before.outvars[0] in after.invars
+assert native_step.lower(*mine).compile().as_text().count(
+    'custom_call_target="keras_dist_allreduce"') == 4
+for _ in range(2):
+    counted = COUNTERS["allreduce"]
+    summed, largest, average = native_step(*mine)
+    assert COUNTERS["allreduce"] - counted >= 4, COUNTERS["allreduce"] - counted
+    for i, got in enumerate(summed):
+        tol = {np.float16: 1e-2, jnp.bfloat16: 5e-2}.get(dtypes[i], 1e-5)
+        assert got.dtype == mine[i].dtype
+        expected = np.sum(everyone(i), axis=0)
+        if dtypes[i] is np.uint8:
+            expected = np.mod(expected, 256)
+        check(got, expected, f"native sum {np.dtype(dtypes[i]).name}", tol)
+    for i, got in enumerate(largest):
+        check(got, np.max(everyone(i), axis=0), f"native max {i}", 1e-5)
+    check(average[0], np.mean(everyone(0), axis=0), "native average", 1e-5)
+print(f"BACKEND COLLECTIVES native ok rank={rank}")
+
+
+# Ranks that disagree: every rank raises the mismatch, and the engine goes on.
+@jax.jit
+def disagree(x):
+    return kd.allreduce(x * 1, op=kd.Sum)
+
+
+try:
+    jax.block_until_ready(disagree(jnp.ones(3 + rank, jnp.float32)))
+except Exception as error:  # noqa: BLE001 - XLA's runtime error carries the status
+    assert "CollectiveMismatchError" in str(error) and "FAILED_PRECONDITION" in str(error), \
+        str(error)
+else:
+    raise AssertionError("a mismatched jitted allreduce did not raise")
+check(disagree(jnp.full(4, rank + 1.0, jnp.float32)), np.full(4, size * (size + 1) / 2),
+      "native after a mismatch")
+print(f"BACKEND COLLECTIVES native mismatch ok rank={rank}")
+
+# A step compiled before kd.shutdown names a plan that is gone: a clear error.
+kd.shutdown()
+kd.init()
+try:
+    jax.block_until_ready(disagree(jnp.full(4, 1.0, jnp.float32)))
+except Exception as error:  # noqa: BLE001
+    assert "plan is gone" in str(error), str(error)
+else:
+    raise AssertionError("a step compiled before kd.shutdown ran")
+print(f"BACKEND COLLECTIVES native plans ok rank={rank}")
