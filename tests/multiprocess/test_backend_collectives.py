@@ -17,6 +17,6 @@ def test_torch_and_jax_values_on_every_rank(np_):
     result.check()
     for rank in range(np_):
         for kind in ("torch", "jax", "torch gradients", "jit", "native", "native mismatch",
-                     "native plans"):
+                     "native join", "native plans"):
             assert f"BACKEND COLLECTIVES {kind} ok rank={rank}" in result.output(rank), \
                 result.describe()

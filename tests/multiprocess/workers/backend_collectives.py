@@ -137,6 +137,28 @@ check(disagree(jnp.full(4, rank + 1.0, jnp.float32)), np.full(4, size * (size + 
       "native after a mismatch")
 print(f"BACKEND COLLECTIVES native mismatch ok rank={rank}")
 
+# Ranks that have joined: the handler's bucket goes to the Python fallback,
+# which adds a joined rank's identity (Average still divides by the size).
+@jax.jit
+def averaged(x):
+    return kd.allreduce(x * 1, op=kd.Average)
+
+
+def join_data(step, r):
+    return np.random.default_rng([step, r, 11]).normal(size=(6, 2)) * 3
+
+
+assert "keras_dist_allreduce" in str(jax.make_jaxpr(averaged)(jnp.zeros((6, 2), jnp.float32)))
+counts = [1 if r == 0 else 2 + r for r in range(size)]
+for step in range(counts[rank]):
+    got = averaged(jnp.asarray(join_data(step, rank), jnp.float32))
+    want = sum(np.asarray(jnp.asarray(join_data(step, r), jnp.float32), np.float64)
+               for r in range(size) if counts[r] > step) / size
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5,
+                               err_msg=f"native while joined, step {step}")
+assert kd.join() == size - 1
+print(f"BACKEND COLLECTIVES native join ok rank={rank}")
+
 # A step compiled before kd.shutdown names a plan that is gone: a clear error.
 kd.shutdown()
 kd.init()
