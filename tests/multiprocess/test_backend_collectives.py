@@ -16,7 +16,7 @@ def test_torch_and_jax_values_on_every_rank(np_):
                      hide=())  # the worker uses JAX and torch values
     result.check()
     for rank in range(np_):
-        for kind in ("torch", "jax", "torch gradients", "jit", "native", "native mismatch",
-                     "native join", "native plans"):
+        for kind in ("torch", "jax", "torch gradients", "jit", "native", "native timeline",
+                     "native mismatch", "native join", "native plans"):
             assert f"BACKEND COLLECTIVES {kind} ok rank={rank}" in result.output(rank), \
                 result.describe()

@@ -119,6 +119,29 @@ for _ in range(2):
     check(average[0], np.mean(everyone(0), axis=0), "native average", 1e-5)
 print(f"BACKEND COLLECTIVES native ok rank={rank}")
 
+# A timeline records each call as the numpy path does: a span per call,
+# split into waiting for peers and moving data.
+import glob  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import tempfile  # noqa: E402
+
+directory = tempfile.mkdtemp(prefix=f"kd-xla-{rank}-")
+kd.start_timeline(os.path.join(directory, "t.json"))
+try:
+    jax.block_until_ready(native_step(*mine))
+finally:
+    kd.stop_timeline(summary=False)
+(part,) = glob.glob(os.path.join(directory, "t.json.rank*"))
+with open(part) as lines:
+    spans = [e["name"] for e in map(json.loads, lines) if e.get("ph") == "X"]
+for leftover in glob.glob(os.path.join(directory, "*")):
+    os.unlink(leftover)
+os.rmdir(directory)
+assert spans.count("allreduce") == 4, spans
+assert "wait for peers" in spans and "move data" in spans, spans
+print(f"BACKEND COLLECTIVES native timeline ok rank={rank}")
+
 
 # Ranks that disagree: every rank raises the mismatch, and the engine goes on.
 @jax.jit
