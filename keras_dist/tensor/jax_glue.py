@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -226,15 +227,30 @@ def native_enabled() -> bool:
 
 @functools.cache
 def _registered() -> bool:
+    """Registers the handler once; False (with a warning where XLA refuses it)
+    where this JAX cannot call it: the buffer callback serves instead."""
     try:
         from jax import ffi
     except ImportError:
         return False
     from keras_dist import _native
 
-    ffi.register_ffi_target(_TARGET, ffi.pycapsule(_native.xla_allreduce_address()),
-                            platform="cpu")
-    return _primitive() is not None
+    if _primitive() is None:
+        return False
+    try:
+        ffi.register_ffi_target(_TARGET, ffi.pycapsule(_native.xla_allreduce_address()),
+                                platform="cpu")
+        # XLA asks the handler which FFI version it speaks when it compiles a
+        # call: one call compiled (not run) tells whether this XLA takes it.
+        jax.jit(lambda x: _primitive().bind(x, plan=0, count=1)).lower(
+            jnp.zeros(1, jnp.float32)).compile()
+    except Exception as error:  # noqa: BLE001 - any refusal means the fallback
+        warnings.warn(f"keras_dist: JAX {jax.__version__} does not take keras_dist's XLA "
+                      f"FFI handler ({type(error).__name__}: {error}); a jitted step's "
+                      "allreduce runs as a buffer callback instead", RuntimeWarning,
+                      stacklevel=2)
+        return False
+    return True
 
 
 @functools.cache

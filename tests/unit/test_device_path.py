@@ -275,6 +275,21 @@ def test_jax_inside_jit_on_the_cpu_takes_ordered_buffer_callbacks_on_host_buffer
         np.testing.assert_array_equal(np.asarray(broadcast), np.asarray(y))
 
 
+def test_jax_handler_refused_by_xla_leaves_the_buffer_callback(monkeypatch):
+    # Where XLA will not take keras_dist's FFI handler (another FFI version),
+    # registration warns and says no: a jitted step keeps the buffer callback.
+    from jax import ffi
+
+    assert jax_glue._registered()  # this JAX takes it
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("FFI API version 1 expected")
+
+    monkeypatch.setattr(ffi, "register_ffi_target", refuse)
+    with pytest.warns(RuntimeWarning, match="FFI API version 1 expected.*buffer callback"):
+        assert jax_glue._registered.__wrapped__() is False
+
+
 def _op_types(function, *args):
     graph = function.get_concrete_function(*args).graph
     return {op.type for op in graph.get_operations()}
