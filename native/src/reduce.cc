@@ -452,6 +452,28 @@ void scale_halves(void* buf, size_t count, float factor) {
   uint16_t* v = static_cast<uint16_t*>(buf);
   for (size_t i = 0; i < count; ++i) v[i] = to_half(from_half(v[i]) * factor);
 }
+#if KD_X86
+// float16 times `factor` with F16C, 8 lanes at a time: the same bits as
+// scale_halves (exact conversions, one float32 multiply, round to nearest even).
+KD_AVX2 void scale_halves_f16c(void* buf, size_t count, float factor) {
+  uint8_t* p = static_cast<uint8_t*>(buf);
+  const __m256 f = _mm256_set1_ps(factor);
+  size_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i));
+    const __m256 x = _mm256_mul_ps(_mm256_cvtph_ps(h), f);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 2 * i),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < count; ++i) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    h = f2h(h2f(h) * factor);
+    std::memcpy(p + 2 * i, &h, 2);
+  }
+}
+#endif
+
 uint16_t f2h_fn(float f) { return f2h(f); }
 float h2f_fn(uint16_t h) { return h2f(h); }
 uint16_t f2b_fn(float f) { return f2b(f); }
@@ -461,7 +483,13 @@ float b2f_fn(uint16_t b) { return b2f(b); }
 void average_inplace(void* buf, size_t count, DType dtype, int ranks) {
   const double factor = 1.0 / double(ranks);
   switch (dtype) {
-    case DType::kFloat16: return scale_halves<f2h_fn, h2f_fn>(buf, count, float(factor));
+    case DType::kFloat16:
+#if KD_X86
+      if (!g_force_baseline.load(std::memory_order_relaxed) && cpu_has_avx2()) {
+        return scale_halves_f16c(buf, count, float(factor));
+      }
+#endif
+      return scale_halves<f2h_fn, h2f_fn>(buf, count, float(factor));
     case DType::kBFloat16: return scale_halves<f2b_fn, b2f_fn>(buf, count, float(factor));
     case DType::kFloat32: return scale_floats<float>(buf, count, float(factor));
     case DType::kFloat64: return scale_floats<double>(buf, count, factor);

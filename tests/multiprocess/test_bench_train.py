@@ -16,7 +16,8 @@ def test_train_benchmark_reports_every_kind(np_, tmp_path):
     png = tmp_path / "train.png"
     command = [sys.executable, "-m", "keras_dist.bench", "train", "--model", "mlp",
                "--batch-size", "8", "--num-iters", "2", "--num-batches-per-iter", "2",
-               "--num-warmup-batches", "1", "--breakdown", "--plot", str(png)]
+               "--num-warmup-batches", "1", "--breakdown", "--plot", str(png),
+               *(["--fp16-allreduce"] if np_ == 2 else [])]
     result = run_job(command, np=np_, timeout=150, env=ENV, hide=())  # --plot: matplotlib
     result.check()
     out = result.output(0)
@@ -27,6 +28,7 @@ def test_train_benchmark_reports_every_kind(np_, tmp_path):
         assert re.search(re.escape(kind) + r" +[\d.]+ \+- +[\d.]+ img/sec per rank", out), \
             result.describe()
     assert "np=1 overhead:" in out
+    assert ("gradients sent as float16" in out) == (np_ == 2), result.describe()
     assert re.search(r"^Cores: (not pinned|pinned: rank 0 on)", out, flags=re.M), \
         result.describe()
     assert ("scaling efficiency:" in out) == (np_ == 2)
