@@ -472,6 +472,37 @@ KD_AVX2 void scale_halves_f16c(void* buf, size_t count, float factor) {
     std::memcpy(p + 2 * i, &h, 2);
   }
 }
+
+// bfloat16 times `factor`, 8 lanes at a time: the same bits as scale_halves
+// with f2b (round to nearest even on the float32 bits, a NaN kept quiet).
+KD_AVX2 void scale_bfloat16_avx2(void* buf, size_t count, float factor) {
+  uint8_t* p = static_cast<uint8_t*>(buf);
+  const __m256 f = _mm256_set1_ps(factor);
+  const __m256i one = _mm256_set1_epi32(1), half_ulp = _mm256_set1_epi32(0x7fff);
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+  const __m256i quiet = _mm256_set1_epi32(0x40);
+  size_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i));
+    const __m256 x = _mm256_mul_ps(
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)), f);
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i high = _mm256_srli_epi32(bits, 16);
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(bits, half_ulp), _mm256_and_si256(high, one)), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, magnitude), inf);
+    const __m256i out = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, quiet), nan);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 2 * i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(out),
+                                      _mm256_extracti128_si256(out, 1)));
+  }
+  for (; i < count; ++i) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    h = f2b(b2f(h) * factor);
+    std::memcpy(p + 2 * i, &h, 2);
+  }
+}
 #endif
 
 uint16_t f2h_fn(float f) { return f2h(f); }
@@ -490,7 +521,13 @@ void average_inplace(void* buf, size_t count, DType dtype, int ranks) {
       }
 #endif
       return scale_halves<f2h_fn, h2f_fn>(buf, count, float(factor));
-    case DType::kBFloat16: return scale_halves<f2b_fn, b2f_fn>(buf, count, float(factor));
+    case DType::kBFloat16:
+#if KD_X86
+      if (!g_force_baseline.load(std::memory_order_relaxed) && cpu_has_avx2()) {
+        return scale_bfloat16_avx2(buf, count, float(factor));
+      }
+#endif
+      return scale_halves<f2b_fn, b2f_fn>(buf, count, float(factor));
     case DType::kFloat32: return scale_floats<float>(buf, count, float(factor));
     case DType::kFloat64: return scale_floats<double>(buf, count, factor);
     case DType::kInt32: return floor_divide<int32_t>(buf, count, ranks);

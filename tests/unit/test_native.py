@@ -134,6 +134,23 @@ def test_reduce_finish_writes_the_finished_reduction_into_both_buffers(code, op,
     assert same_bits(dst, expected) and same_bits(sources[-1], expected)
 
 
+@pytest.mark.parametrize("code", [_dtypes.FLOAT16, _dtypes.BFLOAT16])
+def test_the_half_types_average_every_bit_pattern_as_the_scalar_kernels_do(code):
+    # NaNs with payloads, infinities, subnormals, ties: the vector average
+    # (F16C for float16, AVX2 integer rounding for bfloat16) writes the bits
+    # the scalar conversions write.
+    every = np.arange(1 << 16, dtype=np.uint16).view(DTYPES[code])
+    for ranks in (2, 3):
+        results = []
+        for baseline in (False, True):
+            _native._force_baseline(baseline)
+            dst = np.empty_like(every)
+            _native._reduce_finish(dst.view(np.uint8), None, [every.view(np.uint8)], code,
+                                   _dtypes.SUM, ranks)
+            results.append(dst.view(np.uint16))
+        assert np.array_equal(results[0], results[1]), np.nonzero(results[0] != results[1])
+
+
 def test_reduce_finish_rejects_a_copy_of_another_size_and_negative_ranks():
     a = np.ones(8, np.float32)
     with pytest.raises(ValueError, match="`copy` must have as many bytes as `dst`"):
