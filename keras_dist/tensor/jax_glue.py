@@ -291,13 +291,20 @@ def _primitive():
     return primitive
 
 
-def native_allreduce(values: Sequence, plan) -> list:
-    """``plan`` (``_native.TfPlan``, as ``ops`` makes it) on traced CPU values as
-    one call of keras_dist's XLA FFI handler: each output is its input's
-    buffer (input/output aliases), reduced in place by the shm engine with no
-    Python on a good step; calls run in the order traced (``_in_order``)."""
-    _PLANS.append(plan)
+def native_allreduce(values: Sequence, engine, buckets: list, op_code: int, average: bool,
+                     fallback: Callable, record: Callable) -> list:
+    """The allreduce of traced CPU values as one call of keras_dist's XLA FFI
+    handler: each output is its input's buffer (input/output aliases),
+    reduced in place by the shm engine with no Python on a good step; calls
+    run in the order traced (``_in_order``). The arguments after ``values``
+    are ``tf_kernel.allreduce``'s: the handler runs the same kind of plan
+    (``_native.TfPlan``)."""
+    from keras_dist import _native
+
     values = [jnp.asarray(v) for v in values]
+    nbytes = [v.size * v.dtype.itemsize for v in values]
+    plan = _native.TfPlan(engine, buckets, op_code, average, nbytes, fallback, record)
+    _PLANS.append(plan)
     return _in_order(values, lambda previous: _primitive().bind(
         *values, *previous, plan=plan.id, count=len(values)))
 

@@ -300,20 +300,14 @@ def _xla_kernel(op: ReduceOp, prescale: float, postscale: float, label: str, gro
     def build(values: list) -> list | None:
         from keras_dist.tensor import jax_glue
 
+        def call(transport, engine) -> list:
+            dtypes = [np.dtype(v.dtype) for v in values]
+            shapes = [tuple(v.shape) for v in values]
+            return jax_glue.native_allreduce(values, engine, *_native_plan_parts(
+                transport, op, label, group, labels, dtypes, shapes))
+
         # In a group of one rank nothing is reduced or counted: no call in the step.
-        engine = _kernel_for(group, list, lambda transport, engine: engine,
-                             jax_glue.native_enabled())
-        if engine is list:
-            return list(values)
-        if engine is None:
-            return None
-        dtypes = [np.dtype(v.dtype) for v in values]
-        shapes = [tuple(v.shape) for v in values]
-        buckets, op_code, average, fallback, record = _native_plan_parts(
-            group.transport, op, label, group, labels, dtypes, shapes)
-        nbytes = [int(np.prod(s, dtype=np.int64)) * d.itemsize for d, s in zip(dtypes, shapes)]
-        return jax_glue.native_allreduce(values, _native.TfPlan(
-            engine, buckets, op_code, average, nbytes, fallback, record))
+        return _kernel_for(group, list(values), call, jax_glue.native_enabled())
 
     return build
 

@@ -363,16 +363,26 @@ bool cpu_has_avx2() {
 
 std::atomic<bool> g_force_baseline{false};
 
+// Whether the AVX2 (+F16C) kernels serve: the CPU has them and tests have
+// not asked for the baseline ones.
+bool use_avx2() {
+#if KD_X86
+  return !g_force_baseline.load(std::memory_order_relaxed) && cpu_has_avx2();
+#else
+  return false;
+#endif
+}
+
 const Kernel (*kernel_table())[kNumOps] {
 #if KD_X86
-  if (!g_force_baseline.load(std::memory_order_relaxed) && cpu_has_avx2()) return kAvx2;
+  if (use_avx2()) return kAvx2;
 #endif
   return kBaseline;
 }
 
 const FinishKernel (*finish_table())[kNumOps] {
 #if KD_X86
-  if (!g_force_baseline.load(std::memory_order_relaxed) && cpu_has_avx2()) return kFinishAvx2;
+  if (use_avx2()) return kFinishAvx2;
 #endif
   return kFinishBaseline;
 }
@@ -420,12 +430,7 @@ void reduce_inplace(void* dst, const void* src, size_t count, DType dtype, Op op
   reduce_many(dst, srcs, 2, count, dtype, op);
 }
 
-const char* simd_level() {
-#if KD_X86
-  if (!g_force_baseline.load(std::memory_order_relaxed) && cpu_has_avx2()) return "avx2";
-#endif
-  return "baseline";
-}
+const char* simd_level() { return use_avx2() ? "avx2" : "baseline"; }
 
 void force_baseline(bool on) { g_force_baseline.store(on, std::memory_order_relaxed); }
 
@@ -514,20 +519,17 @@ float b2f_fn(uint16_t b) { return b2f(b); }
 void average_inplace(void* buf, size_t count, DType dtype, int ranks) {
   const double factor = 1.0 / double(ranks);
   switch (dtype) {
+#if KD_X86
     case DType::kFloat16:
-#if KD_X86
-      if (!g_force_baseline.load(std::memory_order_relaxed) && cpu_has_avx2()) {
-        return scale_halves_f16c(buf, count, float(factor));
-      }
-#endif
-      return scale_halves<f2h_fn, h2f_fn>(buf, count, float(factor));
+      return use_avx2() ? scale_halves_f16c(buf, count, float(factor))
+                        : scale_halves<f2h_fn, h2f_fn>(buf, count, float(factor));
     case DType::kBFloat16:
-#if KD_X86
-      if (!g_force_baseline.load(std::memory_order_relaxed) && cpu_has_avx2()) {
-        return scale_bfloat16_avx2(buf, count, float(factor));
-      }
+      return use_avx2() ? scale_bfloat16_avx2(buf, count, float(factor))
+                        : scale_halves<f2b_fn, b2f_fn>(buf, count, float(factor));
+#else
+    case DType::kFloat16: return scale_halves<f2h_fn, h2f_fn>(buf, count, float(factor));
+    case DType::kBFloat16: return scale_halves<f2b_fn, b2f_fn>(buf, count, float(factor));
 #endif
-      return scale_halves<f2b_fn, b2f_fn>(buf, count, float(factor));
     case DType::kFloat32: return scale_floats<float>(buf, count, float(factor));
     case DType::kFloat64: return scale_floats<double>(buf, count, factor);
     case DType::kInt32: return floor_divide<int32_t>(buf, count, ranks);
