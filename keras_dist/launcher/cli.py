@@ -24,8 +24,9 @@ forever when a rank fails before MPI start-up while its peers wait for it
 there): kdrun stops the job ``STOP_GRACE_SECONDS`` later; and kdrun's own
 death (mpiexec is SIGKILLed with it). SIGINT/SIGTERM/SIGHUP are forwarded to mpiexec; ranks
 still running ``STOP_GRACE_SECONDS`` later, or at a second signal, are
-SIGKILLed. Exit status: mpiexec's, 128 + the signal when kdrun was signalled,
-1 when kdrun found a failure mpiexec did not report.
+SIGKILLed. Exit status: that of the rank that failed first (its status, or
+128 + the signal that killed it), else mpiexec's; 128 + the signal when kdrun
+was signalled; 1 when kdrun found a failure mpiexec did not report.
 
 mpiexec's own settings still apply through its environment, e.g. hydra's
 ``HYDRA_LAUNCHER`` / ``HYDRA_LAUNCHER_EXEC`` / ``HYDRA_IFACE`` to reach hosts
@@ -194,6 +195,8 @@ def launch_once(options: LaunchOptions, job_env: dict[str, str] | None = None,
         elif returncode != 0:
             for line in report.describe_failure(reports, options.num_proc, returncode):
                 _say(line)
+            # hydra's own status is that of whichever process it reaped first.
+            returncode = report.exit_status(reports) or returncode
         return Outcome(returncode, reports, ended=time.monotonic())
     finally:
         if proc is not None and proc.poll() is None:

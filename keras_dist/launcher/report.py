@@ -10,14 +10,32 @@ stopped by the launcher. Everything here is a pure function of those records.
 The first failed rank is the one whose failure is not a consequence of
 another's, earliest by monotonic time among failures on the same host, then
 by wall time across hosts (clocks of different machines are only comparable
-by wall time); ties go to the lower rank, so exactly one rank is named. When
+by wall time); ties go to the lower rank, so exactly one rank is named. One
+exception: a crash (SIGSEGV and the like) seen less than
+``CRASH_WINDOW_SECONDS`` before another rank's kill from outside (SIGKILL,
+SIGTERM, ...) is taken for its consequence. A killed process's connections
+reset before its supervisor learns of the death, and an MPI library can crash
+on the reset and be seen first, on a loaded machine or on another host. When
 every failure recorded is a consequence (the rank that died had no chance to
 record anything), the rank they blame is the one named.
+
+kdrun's exit status is that of the rank named: its status, or 128 plus the
+signal that killed it (``exit_status``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import signal as signals
+
+#: Signals a process gets only from outside (a user, the OOM killer, a batch
+#: system), never from a fault of its own or a peer's.
+KILLED_FROM_OUTSIDE = frozenset({"SIGKILL", "SIGTERM", "SIGINT", "SIGHUP"})
+#: Signals of a crash, which an MPI library can suffer when a dead peer's
+#: connections reset.
+CRASHES = frozenset({"SIGSEGV", "SIGBUS", "SIGABRT", "SIGFPE", "SIGILL"})
+#: How long before a peer's kill from outside a crash is taken for its consequence.
+CRASH_WINDOW_SECONDS = 1.0
 
 
 @dataclasses.dataclass
@@ -55,6 +73,8 @@ class Failure:
     consequence_of: int | None = None
     #: The rank's supervisor was signalled (the launcher stopping the job).
     stopped: bool = False
+    #: The signal that killed the rank's process ("SIGSEGV"), else None.
+    signal: str | None = None
 
 
 def apply(reports: dict[int, RankReport], record: dict) -> None:
@@ -126,7 +146,8 @@ def failure(report: RankReport) -> Failure | None:
         return None
     return Failure(report.rank, report.host, float(report.exit.get("mono") or 0.0),
                    float(report.exit.get("wall") or 0.0), what,
-                   stopped=bool(report.exit.get("stopped_by")))
+                   stopped=bool(report.exit.get("stopped_by")),
+                   signal=report.exit.get("signal") or None)
 
 
 def earliest(failures: list[Failure]) -> Failure:
@@ -139,12 +160,25 @@ def earliest(failures: list[Failure]) -> Failure:
     return min(per_host.values(), key=lambda item: (item.wall, item.rank))
 
 
+def _seconds_after(first: Failure, later: Failure) -> float:
+    """How long after ``first`` ``later`` was seen: by monotonic time on one host."""
+    if first.host == later.host:
+        return later.mono - first.mono
+    return later.wall - first.wall
+
+
 def first_failed_rank(reports: dict[int, RankReport]) -> int | None:
     """The rank that failed first (see the module docstring), or None when none did."""
     failures = [found for found in map(failure, reports.values()) if found is not None]
     own = [item for item in failures if item.consequence_of is None and not item.stopped]
     if own:
-        return earliest(own).rank
+        first = earliest(own)
+        if first.signal in CRASHES:
+            killed = [item for item in own if item.signal in KILLED_FROM_OUTSIDE
+                      and _seconds_after(first, item) < CRASH_WINDOW_SECONDS]
+            if killed:
+                return earliest(killed).rank
+        return first.rank
     blamed = [item for item in failures if item.consequence_of is not None]
     if not blamed:
         return None
@@ -156,6 +190,24 @@ def first_failed_rank(reports: dict[int, RankReport]) -> int | None:
             return rank
         rank = found.consequence_of
         seen.add(rank)
+
+
+def exit_status(reports: dict[int, RankReport]) -> int | None:
+    """The exit status of the rank that failed first, for kdrun's own: the
+    child's status, 128 plus the signal that killed it, 1 for a rank that left
+    with status 0 without finishing; None when no rank failed or the one
+    named left no exit record."""
+    rank = first_failed_rank(reports)
+    exit_record = reports[rank].exit if rank is not None and rank in reports else None
+    if exit_record is None or _exit_text(exit_record) is None:
+        return None
+    if exit_record.get("signal"):
+        try:
+            return 128 + signals.Signals[exit_record["signal"]].value
+        except KeyError:
+            return None
+    code = exit_record.get("returncode")
+    return code if isinstance(code, int) and 0 < code < 256 else 1
 
 
 def any_failure(reports: dict[int, RankReport]) -> bool:

@@ -150,13 +150,14 @@ def test_rank_exiting_early_with_status_0_fails_the_job():
 
 def test_rank_exit_status_is_passed_on():
     result = _fault("exit3")
-    # kdrun passes on mpiexec's status: hydra's is that of the first failed
-    # process it reaped: rank 1's supervisor's 3, or 1 when rank 0 had called
-    # MPI_Abort(1) on seeing rank 1 gone; its banner says which.
-    banner = re.search(r"EXIT CODE: (\d+)", result.launcher_stdout)
-    assert result.returncode in (1, 3), result.describe()
-    if banner:
-        assert result.returncode == int(banner[1]), result.describe()
+    # kdrun passes on the status of the rank that failed first, whatever
+    # process hydra happened to reap first (its own status: 1, 3 or 9 seen),
+    # when that rank's exit record arrived (rank 0's abort may stop rank 1's
+    # supervisor before it is sent: then it is hydra's).
+    if "failed first: exited with status 3" in result.launcher_stderr:
+        assert result.returncode == 3, result.describe()
+    else:
+        assert result.returncode != 0, result.describe()
     _assert_rank_1_failed_first(result, "exited with status 3", REPORTED_BY_RANK_0)
     _assert_clean_end(result)
 

@@ -107,6 +107,53 @@ def test_exact_ties_name_one_rank():
     assert report.first_failed_rank(reports) == 2
 
 
+def test_a_crash_just_before_a_kill_from_outside_is_taken_for_its_consequence():
+    # The killed rank's connections reset before its supervisor saw it die:
+    # rank 0's MPI crashed on the reset and was seen 30 ms earlier, on another host.
+    crash = _exit(0, 900.0, host="a", wall=10.00, signal="SIGSEGV")
+    kill = _exit(2, 5.0, host="b", wall=10.03, signal="SIGKILL")
+    assert report.first_failed_rank(_reports(crash, kill)) == 2
+    # On one host by monotonic time, with the same window.
+    assert report.first_failed_rank(_reports(
+        _exit(0, 1.0, signal="SIGABRT"), _exit(1, 1.5, signal="SIGTERM"))) == 1
+
+
+@pytest.mark.parametrize(
+    "later",
+    [
+        _exit(2, 5.0, host="b", wall=11.5, signal="SIGKILL"),  # outside the window
+        _exit(2, 5.0, host="b", wall=10.03, returncode=1),  # not a kill from outside
+        _exit(2, 5.0, host="b", wall=10.03, signal="SIGKILL", stopped_by="SIGTERM"),
+        _error(2, 5.0, host="b", wall=10.03, peer_rank=0),  # blames the crash
+    ],
+)
+def test_a_crash_stays_first_without_a_kill_from_outside_just_after_it(later):
+    crash = _exit(0, 900.0, host="a", wall=10.00, signal="SIGSEGV")
+    assert report.first_failed_rank(_reports(crash, later)) == 0
+
+
+@pytest.mark.parametrize(
+    "first, status",
+    [
+        (_exit(1, 1.0, returncode=3), 3),
+        (_exit(1, 1.0, signal="SIGSEGV"), 128 + 11),
+        (_exit(1, 1.0, returncode=0), 1),  # left without keras_dist.shutdown()
+        (_exit(1, 1.0, returncode=127, started=False, spawn_error="cannot run 'x': gone"), 127),
+        (_error(1, 1.0), None),  # no exit record: stopped before it could send one
+    ],
+)
+def test_exit_status_is_that_of_the_rank_named(first, status):
+    # Rank 0 ended later, with another status: it is not the one passed on.
+    reports = _reports(_started(0), _started(1), first, _exit(0, 2.0, returncode=1))
+    assert report.first_failed_rank(reports) == 1
+    assert report.exit_status(reports) == status
+
+
+def test_no_exit_status_without_a_failure():
+    assert report.exit_status(_reports(_started(0), _exit(0, 1.0, returncode=0,
+                                                          finished=True))) is None
+
+
 @pytest.mark.parametrize(
     "record, what",
     [
