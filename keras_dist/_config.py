@@ -49,6 +49,12 @@ def _flag(name: str, default: bool, alias: str | None = None) -> bool:
     return default if number is None else number != 0
 
 
+def switched_on(name: str) -> bool:
+    """A native path's switch, read at each use: on unless ``name`` is ``0``,
+    ``false``, ``off`` or ``no`` (the general path then serves)."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def _choice(name: str, choices: tuple[str, ...], default: str, alias: str | None = None) -> str:
     found = _raw(name, alias)
     if found is None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -40,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from keras_dist import _config
 from keras_dist.tensor import gpu
 
 
@@ -220,9 +220,7 @@ def native_enabled() -> bool:
     """Whether a jitted step's allreduce on the CPU may take keras_dist's XLA FFI
     handler: ``jax.ffi`` registers it, and ``KERAS_DIST_JAX_OP`` is not ``0``
     (or ``false``/``off``/``no``: the buffer callback)."""
-    if os.environ.get("KERAS_DIST_JAX_OP", "1").strip().lower() in ("0", "false", "off", "no"):
-        return False
-    return _registered()
+    return _config.switched_on("KERAS_DIST_JAX_OP") and _registered()
 
 
 @functools.cache

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from keras_dist import _native
+from keras_dist import _config, _native
 
 _OP_LIBRARY = "_tf_ops.so"
 
@@ -49,8 +49,7 @@ _INVALID_ARGUMENT, _UNKNOWN, _FAILED_PRECONDITION, _UNIMPLEMENTED = 3, 2, 9, 12
 
 def enabled() -> bool:
     """False when ``KERAS_DIST_TF_OP`` is ``0`` (or ``false``/``off``): the numpy path."""
-    return os.environ.get("KERAS_DIST_TF_OP", "1").strip().lower() not in ("0", "false", "off",
-                                                                            "no")
+    return _config.switched_on("KERAS_DIST_TF_OP")
 
 
 @functools.cache
