@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp16-allreduce", action="store_true",
                         help="keras_dist's optimizer sends the gradients as float16 "
                         "(compression=kd.Compression.fp16; half the bytes, not exact)")
+    parser.add_argument("--gradient-predivide-factor", type=float, default=1.0, metavar="F",
+                        help="keras_dist's optimizer scales the gradients by 1/F before "
+                        "summing them and by F/size after (as Horovod's option); default 1")
     parser.add_argument("--breakdown", action="store_true",
                         help="split a keras_dist step into compute, waiting, moving data "
                         "and the rest")
@@ -320,27 +323,31 @@ def run(args: argparse.Namespace) -> int:
         if rank == 0:
             print(line, flush=True)
 
-    compression = kd.Compression.fp16 if args.fp16_allreduce else kd.Compression.none
+    options = {"compression": kd.Compression.fp16 if args.fp16_allreduce
+               else kd.Compression.none,
+               "gradient_predivide_factor": args.gradient_predivide_factor}
     models = {
         "single": (_compiled(args.model, keras.optimizers.SGD(0.01), args.image_size)
                    if rank == 0 else None),
         "kd1": (_compiled(args.model, kd.DistributedOptimizer(
-            keras.optimizers.SGD(0.01), process_set=solo, compression=compression),
+            keras.optimizers.SGD(0.01), process_set=solo, **options),
             args.image_size) if rank == 0 else None),
     }
     if size > 1:
         models["independent"] = _compiled(args.model, keras.optimizers.SGD(0.01),
                                           args.image_size)
         models["kd"] = _compiled(args.model, kd.DistributedOptimizer(
-            keras.optimizers.SGD(0.01), compression=compression), args.image_size)
+            keras.optimizers.SGD(0.01), **options), args.image_size)
     kinds = [k for k in ("single", "kd1", "independent", "kd") if k in models]
     affinity = sorted(os.sched_getaffinity(0))
     placement = kd.allgather_object((affinity, os.cpu_count() or len(affinity),
                                      socket.gethostname()))
+    predivide = (f", gradient_predivide_factor {args.gradient_predivide_factor:g}"
+                 if args.gradient_predivide_factor != 1.0 else "")
     say(f"Model: {args.model} ({parameters / 1e6:.3f} M parameters), batch size "
         f"{args.batch_size} per rank, {size} rank(s), threads per rank "
         f"{args.threads or 'default'}, backend {keras.backend.backend()}"
-        f"{', gradients sent as float16' if args.fp16_allreduce else ''}")
+        f"{', gradients sent as float16' if args.fp16_allreduce else ''}{predivide}")
     say(f"Cores: {describe_cores(*zip(*placement))}")
     say(f"Blocks of {args.num_batches_per_iter} steps, {args.num_iters} per kind, kinds "
         "alternating (each pair's order swapped every other iteration); img/sec per rank: "

@@ -290,7 +290,8 @@ def _primitive():
 
 
 def native_allreduce(values: Sequence, engine, buckets: list, op_code: int, average: bool,
-                     fallback: Callable, record: Callable) -> list:
+                     fallback: Callable, record: Callable, prescale: float = 1.0,
+                     postscale: float = 1.0) -> list:
     """The allreduce of traced CPU values as one call of keras_dist's XLA FFI
     handler: each output is its input's buffer (input/output aliases),
     reduced in place by the shm engine with no Python on a good step; calls
@@ -301,7 +302,8 @@ def native_allreduce(values: Sequence, engine, buckets: list, op_code: int, aver
 
     values = [jnp.asarray(v) for v in values]
     nbytes = [v.size * v.dtype.itemsize for v in values]
-    plan = _native.TfPlan(engine, buckets, op_code, average, nbytes, fallback, record)
+    plan = _native.TfPlan(engine, buckets, op_code, average, nbytes, fallback, record,
+                          prescale, postscale)
     _PLANS.append(plan)
     return _in_order(values, lambda previous: _primitive().bind(
         *values, *previous, plan=plan.id, count=len(values)))

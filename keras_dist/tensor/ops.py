@@ -277,14 +277,15 @@ def _graph_kernel(op: ReduceOp, prescale: float, postscale: float, label: str, g
                   labels: list[str] | None, reduce_arrays):
     """For ``conversions.run``: the traced TF step's allreduce as keras_dist's own op
     (``tf_kernel``), or None where the group or the call needs the numpy path."""
-    if reduce_arrays is not _allreduce_arrays or prescale != 1.0 or postscale != 1.0:
+    if reduce_arrays is not _allreduce_arrays:
         return None
     from keras_dist.tensor import tf_kernel
 
-    # In a group of one rank nothing is reduced or counted: no op in the step.
-    return _kernel_for(group, tf_kernel.identities,
+    # In a group of one rank nothing is reduced or counted: no op in the step
+    # (a scaled call at size 1 takes the numpy path, which scales).
+    return _kernel_for(group, tf_kernel.identities if _unscaled(prescale, postscale) else None,
                        lambda transport, engine: _allreduce_builder(
-                           transport, engine, op, label, group, labels),
+                           transport, engine, op, prescale, postscale, label, group, labels),
                        tf_kernel.enabled())
 
 
@@ -294,29 +295,43 @@ def _xla_kernel(op: ReduceOp, prescale: float, postscale: float, label: str, gro
     keras_dist's XLA FFI handler (``jax_glue.native_allreduce``): a builder
     of the traced values' outputs, or of None where the group, the call or
     JAX needs the buffer callback."""
-    if reduce_arrays is not _allreduce_arrays or prescale != 1.0 or postscale != 1.0:
+    if reduce_arrays is not _allreduce_arrays:
         return None
 
     def build(values: list) -> list | None:
         from keras_dist.tensor import jax_glue
 
-        def call(transport, engine) -> list:
+        def call(transport, engine) -> list | None:
             dtypes = [np.dtype(v.dtype) for v in values]
+            if not _natively_scaled(prescale, postscale, dtypes):
+                return None
             shapes = [tuple(v.shape) for v in values]
             return jax_glue.native_allreduce(values, engine, *_native_plan_parts(
-                transport, op, label, group, labels, dtypes, shapes))
+                transport, op, prescale, postscale, label, group, labels, dtypes, shapes))
 
         # In a group of one rank nothing is reduced or counted: no call in the step.
-        return _kernel_for(group, list(values), call, jax_glue.native_enabled())
+        alone = list(values) if _unscaled(prescale, postscale) else None
+        return _kernel_for(group, alone, call, jax_glue.native_enabled())
 
     return build
 
 
+def _unscaled(prescale: float, postscale: float) -> bool:
+    return prescale == 1.0 and postscale == 1.0
+
+
+def _natively_scaled(prescale: float, postscale: float, dtypes: list[np.dtype]) -> bool:
+    """Whether the native plan can take the call's scales: none, or floating-point
+    arrays only (an integer array scaled is truncated as numpy does: the numpy
+    path)."""
+    return _unscaled(prescale, postscale) or all(_vocab.is_float(d) for d in dtypes)
+
+
 def _kernel_for(group, alone, make, enabled: bool):
     """The builder ``conversions.run`` takes as ``graph_kernel``: ``alone`` in a
-    group of one rank, ``make(transport, engine)`` where the group runs on one
-    machine's shm engine, else None (the numpy path; also where the native
-    op is turned off: ``enabled`` false)."""
+    group of one rank (None: the numpy path there too), ``make(transport,
+    engine)`` where the group runs on one machine's shm engine, else None (the
+    numpy path; also where the native op is turned off: ``enabled`` false)."""
     if not enabled:
         return None
     if group.size == 1:
@@ -327,13 +342,23 @@ def _kernel_for(group, alone, make, enabled: bool):
     return make(group.transport, shm.engine)
 
 
-def _native_plan_parts(transport, op: ReduceOp, label: str, group, labels: list[str] | None,
-                       dtypes: list[np.dtype], shapes: list[tuple]) -> tuple:
+def _native_plan_parts(transport, op: ReduceOp, prescale: float, postscale: float, label: str,
+                       group, labels: list[str] | None, dtypes: list[np.dtype],
+                       shapes: list[tuple]) -> tuple:
     """What ``_native.TfPlan`` takes, but the engine and the sizes, for an
     allreduce of arrays of ``dtypes`` and ``shapes``: ``(buckets, op code,
-    average, fallback, record)``; the fallback does what the numpy path does
-    with an engine's error, the record what it records."""
+    average, fallback, record, prescale, postscale)``; the fallback does what
+    the numpy path does with an engine's error, the record what it records.
+    Scaled (floating-point arrays only: ``_natively_scaled``), the plan sums
+    an ``Average`` and multiplies it by ``postscale / size`` after, as
+    ``_unpack_finished`` does."""
     from keras_dist.tensor import tf_kernel
+
+    average = op is Average
+    finish_op = op
+    if not _unscaled(prescale, postscale):
+        postscale = _vocab.finishing_scale(op, np.float64, group.size, postscale)
+        average, finish_op = False, (ReduceOp.SUM if op is Average else op)
 
     templates = [np.broadcast_to(np.zeros((), d), s) for d, s in zip(dtypes, shapes)]
     buckets, _, _, total = _allreduce_plan(templates, op, label,
@@ -349,7 +374,8 @@ def _native_plan_parts(transport, op: ReduceOp, label: str, group, labels: list[
                 error = _translate(error)
             if not isinstance(error, CollectiveMismatchError):
                 raise error
-            _parts_mismatched(transport, error, members, results, op, described, group.size)
+            _parts_mismatched(transport, error, members, results, finish_op, described,
+                              group.size)
         except Exception as failure:  # noqa: BLE001 - becomes the op's status
             return tf_kernel.status_of(failure, CollectiveMismatchError)
         return None
@@ -359,11 +385,11 @@ def _native_plan_parts(transport, op: ReduceOp, label: str, group, labels: list[
 
     return ([(list(bucket), _vocab.dtype_code(dtype), described)
              for bucket, dtype, described in buckets],
-            _vocab.TRANSPORT_OPS[op], op is Average, fallback, record)
+            _vocab.TRANSPORT_OPS[op], average, fallback, record, prescale, postscale)
 
 
-def _allreduce_builder(transport, engine, op: ReduceOp, label: str, group,
-                       labels: list[str] | None):
+def _allreduce_builder(transport, engine, op: ReduceOp, prescale: float, postscale: float,
+                       label: str, group, labels: list[str] | None):
     """``_graph_kernel``'s builder on ``engine``."""
     from keras_dist.tensor import tf_kernel
 
@@ -371,9 +397,11 @@ def _allreduce_builder(transport, engine, op: ReduceOp, label: str, group,
         if not all(t.shape.is_fully_defined() for t in tensors) or tf_kernel.library() is None:
             return None
         dtypes = [np.dtype(t.dtype.as_numpy_dtype) for t in tensors]
+        if not _natively_scaled(prescale, postscale, dtypes):
+            return None
         shapes = [tuple(t.shape.as_list()) for t in tensors]
         return tf_kernel.allreduce(tensors, engine, *_native_plan_parts(
-            transport, op, label, group, labels, dtypes, shapes))
+            transport, op, prescale, postscale, label, group, labels, dtypes, shapes))
 
     return build
 

@@ -104,7 +104,8 @@ def _keep(plan):
 
 
 def allreduce(tensors: Sequence, engine, buckets: list, op_code: int, average: bool,
-              fallback: Callable, record: Callable) -> list:
+              fallback: Callable, record: Callable, prescale: float = 1.0,
+              postscale: float = 1.0) -> list:
     """``KerasDistAllreduce`` of ``tensors`` (symbolic, every shape known).
 
     Args:
@@ -113,12 +114,16 @@ def allreduce(tensors: Sequence, engine, buckets: list, op_code: int, average: b
         op_code: the engine's op; ``average`` divides a sum by the group's size.
         fallback: ``fallback(bucket, srcs, dsts, error)`` as ``_native.TfPlan`` calls it.
         record: ``record(start_ns, end_ns, wait_ns)`` while a timeline records.
+        prescale, postscale: floating-point tensors only: each rank's input
+            times ``prescale`` before the reduction, the result times
+            ``postscale`` after it.
 
     Returns:
         The outputs, shaped as the inputs.
     """
     nbytes = [t.shape.num_elements() * t.dtype.size for t in tensors]
-    plan = _keep(_native.TfPlan(engine, buckets, op_code, average, nbytes, fallback, record))
+    plan = _keep(_native.TfPlan(engine, buckets, op_code, average, nbytes, fallback, record,
+                                prescale, postscale))
     outputs = library().keras_dist_allreduce(list(tensors), plan=plan.id,
                                              entry=_native.tf_entry_address())
     for output, tensor in zip(outputs, tensors):

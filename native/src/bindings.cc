@@ -1084,10 +1084,13 @@ class TfPlan : public TfPlanBase {
   };
 
   TfPlan(nb::handle engine, nb::list buckets, int op_code, bool average,
-         std::vector<uint64_t> nbytes, nb::callable fallback, nb::callable record)
+         std::vector<uint64_t> nbytes, nb::callable fallback, nb::callable record,
+         double prescale, double postscale)
       : TfPlanBase(engine, std::move(fallback), std::move(record)),
         op_(check_op(op_code)),
         average_(average),
+        prescale_(prescale),
+        postscale_(postscale),
         nbytes_(std::move(nbytes)) {
     for (nb::handle item : buckets) {
       auto [members, dtype_code, name] =
@@ -1100,7 +1103,16 @@ class TfPlan : public TfPlanBase {
                                     .c_str());
         }
       }
-      buckets_.push_back({std::move(members), check_dtype(dtype_code), std::move(name)});
+      const kd::DType dtype = check_dtype(dtype_code);
+      if ((prescale_ != 1.0 || postscale_ != 1.0) && !is_float(dtype)) {
+        throw nb::value_error(("TfPlan: scaling needs floating-point tensors. Received: "
+                               "bucket \"" + name + "\" of dtype code " +
+                               std::to_string(dtype_code) + " with prescale " +
+                               std::to_string(prescale_) + ", postscale " +
+                               std::to_string(postscale_))
+                                  .c_str());
+      }
+      buckets_.push_back({std::move(members), dtype, std::move(name)});
     }
   }
 
@@ -1123,17 +1135,31 @@ class TfPlan : public TfPlanBase {
     const int64_t start = realtime_ns();
     const double waited = engine_->wait_seconds();
     thread_local std::vector<kd::ShmEngine::Part> parts;
+    // What each rank sends: its input, or, scaled first, its output.
+    thread_local std::vector<const void*> sent;
+    sent.assign(srcs, srcs + count);
     for (size_t b = 0; b < buckets_.size(); ++b) {
       const Bucket& bucket = buckets_[b];
+      const size_t itemsize = kd::dtype_size(int(bucket.dtype));
       parts.clear();
       for (size_t i : bucket.members) {
-        parts.push_back({srcs[i], dsts[i], nbytes[i]});
+        if (prescale_ != 1.0) {
+          if (dsts[i] != srcs[i]) std::memcpy(dsts[i], srcs[i], nbytes[i]);
+          kd::scale_inplace(dsts[i], nbytes[i] / itemsize, bucket.dtype, prescale_);
+          sent[i] = dsts[i];
+        }
+        parts.push_back({sent[i], dsts[i], nbytes[i]});
       }
       try {
         engine_->allreduce_parts(parts, bucket.dtype, op_, average_, bucket.name);
       } catch (...) {
-        const int code = fall_back(b, std::current_exception(), srcs, dsts, message);
+        const int code = fall_back(b, std::current_exception(), sent.data(), dsts, message);
         if (code != 0) return code;
+      }
+      if (postscale_ != 1.0) {
+        for (size_t i : bucket.members) {
+          kd::scale_inplace(dsts[i], nbytes[i] / itemsize, bucket.dtype, postscale_);
+        }
       }
     }
     const int64_t end = realtime_ns();
@@ -1172,8 +1198,15 @@ class TfPlan : public TfPlanBase {
     return nb::steal(a);
   }
 
+  static bool is_float(kd::DType dtype) {
+    return dtype == kd::DType::kFloat16 || dtype == kd::DType::kBFloat16 ||
+           dtype == kd::DType::kFloat32 || dtype == kd::DType::kFloat64;
+  }
+
   kd::Op op_;
   bool average_;
+  double prescale_;   // each rank's input times this before the reduction
+  double postscale_;  // the result times this after it (and after any average)
   std::vector<uint64_t> nbytes_;
   std::vector<Bucket> buckets_;
 };
@@ -1398,11 +1431,14 @@ NB_MODULE(_native, m) {
                      "A traced TensorFlow step's grouped allreduce, for the KerasDistAllreduce "
                      "op: its buckets [(member indices, dtype code, name)], the engine, the "
                      "op and the tensors' sizes; fallback(bucket, srcs, dsts, error) serves "
-                     "what the engine cannot, record(start_ns, end_ns, wait_ns) a timeline.")
+                     "what the engine cannot, record(start_ns, end_ns, wait_ns) a timeline. "
+                     "Floating-point buckets may be scaled: each rank's input by prescale "
+                     "before the reduction, the result by postscale after it.")
       .def(nb::init<nb::handle, nb::list, int, bool, std::vector<uint64_t>, nb::callable,
-                    nb::callable>(),
+                    nb::callable, double, double>(),
            nb::arg("engine"), nb::arg("buckets"), nb::arg("op"), nb::arg("average"),
-           nb::arg("nbytes"), nb::arg("fallback"), nb::arg("record"))
+           nb::arg("nbytes"), nb::arg("fallback"), nb::arg("record"),
+           nb::arg("prescale") = 1.0, nb::arg("postscale") = 1.0)
       .def_prop_ro("id", [](const TfPlan& plan) { return plan.id(); });
   nb::class_<TfGatherPlan>(m, "TfGatherPlan",
                            "A traced TensorFlow step's allgathers, for the KerasDistAllgather "

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -516,8 +518,7 @@ uint16_t f2b_fn(float f) { return f2b(f); }
 float b2f_fn(uint16_t b) { return b2f(b); }
 }  // namespace
 
-void average_inplace(void* buf, size_t count, DType dtype, int ranks) {
-  const double factor = 1.0 / double(ranks);
+void scale_inplace(void* buf, size_t count, DType dtype, double factor) {
   switch (dtype) {
 #if KD_X86
     case DType::kFloat16:
@@ -532,6 +533,18 @@ void average_inplace(void* buf, size_t count, DType dtype, int ranks) {
 #endif
     case DType::kFloat32: return scale_floats<float>(buf, count, float(factor));
     case DType::kFloat64: return scale_floats<double>(buf, count, factor);
+    default:
+      throw std::invalid_argument("scale_inplace: a floating-point dtype was expected. Received: "
+                                  "dtype code " + std::to_string(int(dtype)));
+  }
+}
+
+void average_inplace(void* buf, size_t count, DType dtype, int ranks) {
+  switch (dtype) {
+    case DType::kFloat16:
+    case DType::kBFloat16:
+    case DType::kFloat32:
+    case DType::kFloat64: return scale_inplace(buf, count, dtype, 1.0 / double(ranks));
     case DType::kInt32: return floor_divide<int32_t>(buf, count, ranks);
     case DType::kInt64: return floor_divide<int64_t>(buf, count, ranks);
     case DType::kUInt8: return floor_divide<uint8_t>(buf, count, ranks);

@@ -191,7 +191,38 @@ def test_a_timeline_records_the_call_when_one_records(engine, tmp_path):
     assert 0 < start <= end and 0 <= wait <= end - start
 
 
+def test_a_scaled_plan_scales_as_numpy_does_and_keeps_its_inputs(engine):
+    """prescale and postscale: each output is numpy's ``x * pre`` then ``* post``
+    (float16 and bfloat16 in float32 arithmetic, float32 in float32), bit for
+    bit; the inputs, read after the op, are untouched."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(5)
+    kinds = [((3, 5), np.float32), ((7,), np.float64), ((33,), np.float16),
+             ((9, 2), ml_dtypes.bfloat16), ((300, 70), np.float32)]
+    arrays = [(rng.standard_normal(shape) * 100).astype(dtype) for shape, dtype in kinds]
+    pre, post = 0.3, 7.0
+
+    @tf.function
+    def step(*xs):
+        outputs = tf_kernel.allreduce(list(xs), engine, _buckets(arrays), _vocab.SUM, False,
+                                      lambda *a: None, lambda *a: None, pre, post)
+        return outputs, xs
+
+    outputs, inputs = step(*[tf.constant(a) for a in arrays])
+    for a, got, kept in zip(arrays, outputs, inputs):
+        want = a.copy()
+        _vocab.scale_in_place(want, pre)
+        _vocab.scale_in_place(want, post)
+        assert got.numpy().dtype == a.dtype and got.numpy().tobytes() == want.tobytes(), a.dtype
+        assert kept.numpy().tobytes() == a.tobytes(), a.dtype
+
+
 def test_plan_arguments_are_checked(engine):
+    int32 = _vocab.dtype_code(np.dtype(np.int32))
+    with pytest.raises(ValueError, match="scaling needs floating-point tensors"):
+        _native.TfPlan(engine, [([0], int32, "t")], _vocab.SUM, False, [16],
+                       lambda *a: None, lambda *a: None, 2.0, 1.0)
     with pytest.raises(ValueError, match="past the plan's 1 tensors"):
         _native.TfPlan(engine, [([0, 1], _vocab.dtype_code(np.dtype(np.float32)), "t")],
                        _vocab.SUM, False, [16], lambda *a: None, lambda *a: None)

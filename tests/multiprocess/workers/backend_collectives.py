@@ -119,6 +119,40 @@ for _ in range(2):
     check(average[0], np.mean(everyone(0), axis=0), "native average", 1e-5)
 print(f"BACKEND COLLECTIVES native ok rank={rank}")
 
+# Scaled (prescale_factor, postscale_factor): floating-point arrays in the
+# handler, an integer one in the call sends it to the buffer callback.
+PRE, POST = 0.5, 3.0
+
+
+def scaled_fn(*arrays):
+    floats = [arrays[0], arrays[2], arrays[3]]
+    return (kd.grouped_allreduce([a * 1 for a in floats], op=kd.Sum, prescale_factor=PRE,
+                                 postscale_factor=POST),
+            kd.grouped_allreduce([a * 1 for a in floats], op=kd.Average, prescale_factor=PRE,
+                                 postscale_factor=POST))
+
+
+names = [e.primitive.name for e in jax.make_jaxpr(scaled_fn)(*mine).jaxpr.eqns]
+assert names.count("keras_dist_allreduce") == 2 and "buffer_callback" not in names, names
+summed, average = jax.jit(scaled_fn)(*mine)
+for got_sum, got_average, i in zip(summed, average, (0, 2, 3)):
+    tol = {np.float16: 2e-2, jnp.bfloat16: 1e-1}.get(dtypes[i], 1e-5)
+    scaled_sum = np.sum(everyone(i), axis=0) * PRE * POST
+    check(got_sum, scaled_sum, f"native scaled sum {i}", tol)
+    check(got_average, scaled_sum / size, f"native scaled average {i}", tol)
+    assert got_sum.dtype == mine[i].dtype and got_average.dtype == mine[i].dtype
+
+
+def scaled_ints(x):
+    return kd.allreduce(x * 1, op=kd.Sum, prescale_factor=PRE, postscale_factor=POST)
+
+
+names = [e.primitive.name for e in jax.make_jaxpr(scaled_ints)(mine[1]).jaxpr.eqns]
+assert "keras_dist_allreduce" not in names, names
+expected = sum(np.trunc(row * PRE) for row in everyone(1)) * POST
+check(jax.jit(scaled_ints)(mine[1]), np.trunc(expected), "scaled int32 (callback)", 0)
+print(f"BACKEND COLLECTIVES native scaled ok rank={rank}")
+
 # A timeline records each call as the numpy path does: a span per call,
 # split into waiting for peers and moving data.
 import glob  # noqa: E402
@@ -167,6 +201,11 @@ def averaged(x):
     return kd.allreduce(x * 1, op=kd.Average)
 
 
+@jax.jit
+def averaged_scaled(x):
+    return kd.allreduce(x * 1, op=kd.Average, prescale_factor=PRE, postscale_factor=POST)
+
+
 def join_data(step, r):
     return np.random.default_rng([step, r, 11]).normal(size=(6, 2)) * 3
 
@@ -179,6 +218,9 @@ for step in range(counts[rank]):
                for r in range(size) if counts[r] > step) / size
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5,
                                err_msg=f"native while joined, step {step}")
+    got = averaged_scaled(jnp.asarray(join_data(step, rank), jnp.float32))
+    np.testing.assert_allclose(np.asarray(got, np.float64), want * PRE * POST, rtol=1e-5,
+                               atol=1e-5, err_msg=f"native scaled while joined, step {step}")
 assert kd.join() == size - 1
 print(f"BACKEND COLLECTIVES native join ok rank={rank}")
 

@@ -136,6 +136,64 @@ def test_fresh_inputs_are_reduced_in_place_and_inputs_read_elsewhere_are_kept():
     assert tf_kernel.forwarded_outputs() == before
 
 
+FLOATS = [i for i, (_, dtype) in enumerate(SPECS) if np.dtype(dtype).kind == "f"]
+PRESCALE, POSTSCALE = 0.25, 3.0
+
+
+def test_scaled_allreduces_run_in_the_op_with_the_numpy_paths_bits():
+    """prescale_factor and postscale_factor on floating-point tensors: the op
+    scales (against float64, and bit for bit the numpy path's result); its
+    inputs read after it are kept; an integer tensor in the call sends the
+    whole call down the numpy path, which scales it as numpy truncates."""
+    def scaled(op):
+        @tf.function
+        def step(xs):
+            reduced = kd.grouped_allreduce(xs, op=op, prescale_factor=PRESCALE,
+                                           postscale_factor=POSTSCALE)
+            return reduced, xs
+        return step
+
+    previous = os.environ.get("KERAS_DIST_TF_OP")
+    for op, name in ((kd.Sum, "scaled sum"), (kd.Average, "scaled average")):
+        results = {}
+        for setting in ("1", "0"):
+            os.environ["KERAS_DIST_TF_OP"] = setting  # read when the step is traced
+            step = scaled(op)
+            mine = [data(RANK, 40)[i] for i in FLOATS]
+            types = op_types(step, [tf.constant(a) for a in mine])
+            assert (types.count("KerasDistAllreduce") == 1) == (setting == "1"), (setting, types)
+            reduced, kept = step([tf.constant(a) for a in mine])
+            want = reference(40, op)
+            for i, g, k, a in zip(FLOATS, reduced, kept, mine):
+                dtype = SPECS[i][1]
+                w = want[i] * PRESCALE * POSTSCALE
+                assert g.dtype == dtype and g.shape == SPECS[i][0], (name, i, g.dtype, g.shape)
+                assert np.allclose(g.numpy(), w, rtol=tolerance(dtype), atol=tolerance(dtype)), (
+                    name, setting, i, g.numpy(), w)
+                assert np.array_equal(k.numpy(), a), f"{name}: an input read after the op changed"
+            results[setting] = [g.numpy() for g in reduced]
+        for a, b in zip(results["1"], results["0"]):
+            assert a.tobytes() == b.tobytes(), name
+    if previous is None:
+        del os.environ["KERAS_DIST_TF_OP"]
+    else:
+        os.environ["KERAS_DIST_TF_OP"] = previous
+    # With the int32 tensor in the call: the numpy path, every tensor scaled.
+    step = scaled(kd.Sum)
+    types = op_types(step, [tf.constant(a) for a in data(RANK, 41)])
+    assert "KerasDistAllreduce" not in types, types
+    reduced, _ = step([tf.constant(a) for a in data(RANK, 41)])
+    ints = [sum((data(r, 41)[i].astype(np.float64) * PRESCALE).astype(SPECS[i][1])
+                for r in range(SIZE)) for i in range(len(SPECS))]
+    for i, (g, w) in enumerate(zip(reduced, reference(41, kd.Sum))):
+        if i in FLOATS:
+            assert np.allclose(g.numpy(), w * PRESCALE * POSTSCALE, rtol=tolerance(SPECS[i][1]),
+                               atol=tolerance(SPECS[i][1])), ("mixed", i)
+        else:
+            assert np.array_equal(g.numpy(), (ints[i] * POSTSCALE).astype(SPECS[i][1])), (
+                "mixed", i, g.numpy(), ints[i])
+
+
 def test_mismatched_shapes_fail_on_every_rank_and_the_job_goes_on():
     @tf.function
     def step(xs):
