@@ -111,6 +111,8 @@ def main():
         kd.callbacks.MetricAverageCallback(),
         kd.callbacks.LearningRateWarmupCallback(lr, warmup_epochs=min(2, args.epochs),
                                                 verbose=verbose),
+        # The train steps as spans under `kdrun --timeline` (nothing otherwise).
+        kd.callbacks.TimelineCallback(),
     ]
     if kd.rank() == 0:
         os.makedirs(args.checkpoint_dir, exist_ok=True)
