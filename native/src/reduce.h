@@ -52,7 +52,7 @@ void average_inplace(void* buf, size_t count, DType dtype, int ranks);
 
 // buf[i] *= factor for a floating-point dtype, rounded as average_inplace
 // rounds (the factor rounded to float32 for float16, bfloat16 and float32):
-// numpy's `buf *= factor` (keras_dist/_vocab.py scale_in_place). Throws
+// numpy >= 2's `buf *= factor` (keras_dist/_vocab.py scale_in_place). Throws
 // std::invalid_argument for an integer dtype.
 void scale_inplace(void* buf, size_t count, DType dtype, double factor);
 
