@@ -107,3 +107,18 @@ def test_tf_op_ab_benchmark_times_both_ops_and_the_baseline():
     assert all(value > 0 for value in steps.values()), out
     efficiency = [line for line in out.splitlines() if "efficiency" in line]
     assert len(efficiency) == 2 and all("waiting" in line for line in efficiency), out
+
+
+@pytest.mark.timeout(200)
+def test_aligned_steps_benchmark_times_both_kinds_on_every_rank():
+    result = run_job([sys.executable, "benchmarks/aligned_steps.py", "--model", "mlp",
+                      "--blocks", "2", "--steps", "2"], np=2, timeout=150,
+                     env={"OMP_NUM_THREADS": "1"})
+    result.check()
+    out = result.rank_stdout.get(0, "")
+    found = re.findall(r"^rank (\d): step aligned ([\d.]+) ms, free ([\d.]+) ms, "
+                       r"aligned/free ([\d.]+)$", out, flags=re.M)
+    assert [rank for rank, *_ in found] == ["0", "1"], result.describe()
+    for _, aligned, free, ratio in found:
+        assert float(aligned) > 0 and float(free) > 0, out
+        assert abs(float(ratio) - float(aligned) / float(free)) < 0.01, out  # printed rounded
