@@ -1143,9 +1143,8 @@ class TfPlan : public TfPlanBase {
       const size_t itemsize = kd::dtype_size(int(bucket.dtype));
       parts.clear();
       for (size_t i : bucket.members) {
-        if (prescale_ != 1.0) {
-          if (dsts[i] != srcs[i]) std::memcpy(dsts[i], srcs[i], nbytes[i]);
-          kd::scale_inplace(dsts[i], nbytes[i] / itemsize, bucket.dtype, prescale_);
+        if (prescale_ != 1.0) {  // scaled into the output, reduced there in place
+          kd::scale(dsts[i], srcs[i], nbytes[i] / itemsize, bucket.dtype, prescale_);
           sent[i] = dsts[i];
         }
         parts.push_back({sent[i], dsts[i], nbytes[i]});
@@ -1158,7 +1157,7 @@ class TfPlan : public TfPlanBase {
       }
       if (postscale_ != 1.0) {
         for (size_t i : bucket.members) {
-          kd::scale_inplace(dsts[i], nbytes[i] / itemsize, bucket.dtype, postscale_);
+          kd::scale(dsts[i], dsts[i], nbytes[i] / itemsize, bucket.dtype, postscale_);
         }
       }
     }

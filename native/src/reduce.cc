@@ -437,10 +437,13 @@ const char* simd_level() { return use_avx2() ? "avx2" : "baseline"; }
 void force_baseline(bool on) { g_force_baseline.store(on, std::memory_order_relaxed); }
 
 namespace {
+// The scaling kernels write dst[i] = src[i] * factor, each element read
+// before it is written: dst may be src (exactly), not a partial overlap.
 template <typename T>
-void scale_floats(void* buf, size_t count, T factor) {
-  T* v = static_cast<T*>(buf);
-  for (size_t i = 0; i < count; ++i) v[i] *= factor;
+void scale_floats(void* dst, const void* src, size_t count, T factor) {
+  T* d = static_cast<T*>(dst);
+  const T* s = static_cast<const T*>(src);
+  for (size_t i = 0; i < count; ++i) d[i] = s[i] * factor;
 }
 
 template <typename T>
@@ -455,26 +458,28 @@ void floor_divide(void* buf, size_t count, int ranks) {
 }
 
 template <uint16_t (*to_half)(float), float (*from_half)(uint16_t)>
-void scale_halves(void* buf, size_t count, float factor) {
-  uint16_t* v = static_cast<uint16_t*>(buf);
-  for (size_t i = 0; i < count; ++i) v[i] = to_half(from_half(v[i]) * factor);
+void scale_halves(void* dst, const void* src, size_t count, float factor) {
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  for (size_t i = 0; i < count; ++i) d[i] = to_half(from_half(s[i]) * factor);
 }
 #if KD_X86
 // float16 times `factor` with F16C, 8 lanes at a time: the same bits as
 // scale_halves (exact conversions, one float32 multiply, round to nearest even).
-KD_AVX2 void scale_halves_f16c(void* buf, size_t count, float factor) {
-  uint8_t* p = static_cast<uint8_t*>(buf);
+KD_AVX2 void scale_halves_f16c(void* dst, const void* src, size_t count, float factor) {
+  uint8_t* p = static_cast<uint8_t*>(dst);
+  const uint8_t* q = static_cast<const uint8_t*>(src);
   const __m256 f = _mm256_set1_ps(factor);
   size_t i = 0;
   for (; i + 8 <= count; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i));
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * i));
     const __m256 x = _mm256_mul_ps(_mm256_cvtph_ps(h), f);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 2 * i),
                      _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }
   for (; i < count; ++i) {
     uint16_t h;
-    std::memcpy(&h, p + 2 * i, 2);
+    std::memcpy(&h, q + 2 * i, 2);
     h = f2h(h2f(h) * factor);
     std::memcpy(p + 2 * i, &h, 2);
   }
@@ -482,15 +487,16 @@ KD_AVX2 void scale_halves_f16c(void* buf, size_t count, float factor) {
 
 // bfloat16 times `factor`, 8 lanes at a time: the same bits as scale_halves
 // with f2b (round to nearest even on the float32 bits, a NaN kept quiet).
-KD_AVX2 void scale_bfloat16_avx2(void* buf, size_t count, float factor) {
-  uint8_t* p = static_cast<uint8_t*>(buf);
+KD_AVX2 void scale_bfloat16_avx2(void* dst, const void* src, size_t count, float factor) {
+  uint8_t* p = static_cast<uint8_t*>(dst);
+  const uint8_t* q = static_cast<const uint8_t*>(src);
   const __m256 f = _mm256_set1_ps(factor);
   const __m256i one = _mm256_set1_epi32(1), half_ulp = _mm256_set1_epi32(0x7fff);
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
   const __m256i quiet = _mm256_set1_epi32(0x40);
   size_t i = 0;
   for (; i + 8 <= count; i += 8) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * i));
     const __m256 x = _mm256_mul_ps(
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)), f);
     const __m256i bits = _mm256_castps_si256(x);
@@ -505,7 +511,7 @@ KD_AVX2 void scale_bfloat16_avx2(void* buf, size_t count, float factor) {
   }
   for (; i < count; ++i) {
     uint16_t h;
-    std::memcpy(&h, p + 2 * i, 2);
+    std::memcpy(&h, q + 2 * i, 2);
     h = f2b(b2f(h) * factor);
     std::memcpy(p + 2 * i, &h, 2);
   }
@@ -518,23 +524,24 @@ uint16_t f2b_fn(float f) { return f2b(f); }
 float b2f_fn(uint16_t b) { return b2f(b); }
 }  // namespace
 
-void scale_inplace(void* buf, size_t count, DType dtype, double factor) {
+void scale(void* dst, const void* src, size_t count, DType dtype, double factor) {
+  const float f = float(factor);
   switch (dtype) {
 #if KD_X86
     case DType::kFloat16:
-      return use_avx2() ? scale_halves_f16c(buf, count, float(factor))
-                        : scale_halves<f2h_fn, h2f_fn>(buf, count, float(factor));
+      return use_avx2() ? scale_halves_f16c(dst, src, count, f)
+                        : scale_halves<f2h_fn, h2f_fn>(dst, src, count, f);
     case DType::kBFloat16:
-      return use_avx2() ? scale_bfloat16_avx2(buf, count, float(factor))
-                        : scale_halves<f2b_fn, b2f_fn>(buf, count, float(factor));
+      return use_avx2() ? scale_bfloat16_avx2(dst, src, count, f)
+                        : scale_halves<f2b_fn, b2f_fn>(dst, src, count, f);
 #else
-    case DType::kFloat16: return scale_halves<f2h_fn, h2f_fn>(buf, count, float(factor));
-    case DType::kBFloat16: return scale_halves<f2b_fn, b2f_fn>(buf, count, float(factor));
+    case DType::kFloat16: return scale_halves<f2h_fn, h2f_fn>(dst, src, count, f);
+    case DType::kBFloat16: return scale_halves<f2b_fn, b2f_fn>(dst, src, count, f);
 #endif
-    case DType::kFloat32: return scale_floats<float>(buf, count, float(factor));
-    case DType::kFloat64: return scale_floats<double>(buf, count, factor);
+    case DType::kFloat32: return scale_floats<float>(dst, src, count, f);
+    case DType::kFloat64: return scale_floats<double>(dst, src, count, factor);
     default:
-      throw std::invalid_argument("scale_inplace: a floating-point dtype was expected. Received: "
+      throw std::invalid_argument("scale: a floating-point dtype was expected. Received: "
                                   "dtype code " + std::to_string(int(dtype)));
   }
 }
@@ -544,7 +551,7 @@ void average_inplace(void* buf, size_t count, DType dtype, int ranks) {
     case DType::kFloat16:
     case DType::kBFloat16:
     case DType::kFloat32:
-    case DType::kFloat64: return scale_inplace(buf, count, dtype, 1.0 / double(ranks));
+    case DType::kFloat64: return scale(buf, buf, count, dtype, 1.0 / double(ranks));
     case DType::kInt32: return floor_divide<int32_t>(buf, count, ranks);
     case DType::kInt64: return floor_divide<int64_t>(buf, count, ranks);
     case DType::kUInt8: return floor_divide<uint8_t>(buf, count, ranks);

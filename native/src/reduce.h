@@ -50,11 +50,12 @@ void reduce_inplace(void* dst, const void* src, size_t count, DType dtype, Op op
 // bfloat16 computed in float32, rounded once), integers floor-divided by ranks.
 void average_inplace(void* buf, size_t count, DType dtype, int ranks);
 
-// buf[i] *= factor for a floating-point dtype, rounded as average_inplace
-// rounds (the factor rounded to float32 for float16, bfloat16 and float32):
-// numpy >= 2's `buf *= factor` (keras_dist/_vocab.py scale_in_place). Throws
+// dst[i] = src[i] * factor for a floating-point dtype, rounded as
+// average_inplace rounds (the factor rounded to float32 for float16, bfloat16
+// and float32): numpy >= 2's `src * factor` (keras_dist/_vocab.py
+// scale_in_place). dst may be src (exactly), not a partial overlap. Throws
 // std::invalid_argument for an integer dtype.
-void scale_inplace(void* buf, size_t count, DType dtype, double factor);
+void scale(void* dst, const void* src, size_t count, DType dtype, double factor);
 
 // reduce_many into `dst`, then, when `average_ranks` > 0, average_inplace's
 // scaling by it, and, when `copy` is not null, the same result into `copy` too:
