@@ -22,8 +22,9 @@ ROOT = str(Path(__file__).resolve().parent.parent.parent)
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("transport", ["mpi", "shm"])
-def test_survivors_raise_naming_the_dead_rank(transport):
+def test_survivors_raise_naming_the_dead_rank(transport, tmp_path):
     env = dict(os.environ, KERAS_DIST_CPU_OPERATIONS=transport, OMP_NUM_THREADS="1",
+               SURVIVOR_MARKER_DIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     command = [find_mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, WORKER]
     before = shm_snapshot()
@@ -34,6 +35,7 @@ def test_survivors_raise_naming_the_dead_rank(transport):
     output = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     assert done.returncode != 0, output
     assert "FINISHED" not in done.stdout, output
+    assert "GAVE UP" not in done.stdout, output
     # MPICH's process managers (hydra even with -disable-auto-cleanup, and
     # gforker) still end the survivors about 0.1 s after the death, racing
     # their own detection; each survivor that was still running then must have

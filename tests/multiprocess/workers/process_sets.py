@@ -15,7 +15,6 @@ Prints "PSETS <check> passed rank=R" per check.
 import glob
 import os
 import sys
-import time
 
 import numpy as np
 from mpi4py import MPI
@@ -179,7 +178,10 @@ def test_public_broadcasts_take_job_roots():
         else:
             raise AssertionError("a root outside the set was accepted")
     if RANK == max(the_set.ranks):
-        time.sleep(0.3)  # joins last (or with the others: then the highest wins too)
+        # Joins last, whatever the timing: this allreduce completes only once
+        # every other member has joined (they add zeros to it from inside join).
+        got = kd.allreduce(np.ones(4), op=kd.Sum, process_set=the_set)
+        assert np.array_equal(got, np.ones(4)), got
     assert kd.join(process_set=the_set) == max(the_set.ranks)
 
 
