@@ -72,8 +72,15 @@ class Config:
 
     #: CPU data plane: "auto" (shm when it can serve, else mpi), "shm" or "mpi".
     cpu_operations: str = "auto"
-    #: GPU data plane: "auto" (nccl when cupy has it), "nccl" or "mpi".
+    #: GPU data plane: "auto" (nccl when every rank has cupy with NCCL and a
+    #: GPU of its own), "nccl" or "mpi".
     gpu_operations: str = "auto"
+    #: Whether a group of one rank skips its collectives (the default). Off
+    #: (``KERAS_DIST_SIZE_ONE_SHORTCUT=0``), GPU values still go through the
+    #: GPU data plane (an NCCL communicator of one rank) and
+    #: ``DistributedOptimizer`` still reduces: for checks of those paths on
+    #: a machine with one GPU.
+    size_one_shortcut: bool = True
     #: Largest fused gradient bucket, in bytes.
     fusion_threshold_bytes: int = 64 * _MIB
     #: Seconds a rank waits in a collective before warning of a stall (0: never).
@@ -118,6 +125,7 @@ class Config:
                 "KERAS_DIST_GPU_OPERATIONS", ("auto", "nccl", "mpi"), "auto",
                 "HOROVOD_GPU_OPERATIONS",
             ),
+            size_one_shortcut=_flag("KERAS_DIST_SIZE_ONE_SHORTCUT", True),
             fusion_threshold_bytes=_int(
                 "KERAS_DIST_FUSION_THRESHOLD", 64 * _MIB, "HOROVOD_FUSION_THRESHOLD"
             ),

@@ -104,3 +104,39 @@ class BatchNormalizationWithMoments(keras.layers.BatchNormalization):
     def reduction_axes(self) -> list[int]:
         """The axes the statistics are taken over (all but the feature axes)."""
         return list(self._reduction_axes)
+
+
+#: Reasons a model's ``jit_compile="auto"`` must resolve to False
+#: (``turn_off_auto_jit_compile_when``).
+_AUTO_JIT_VETOES: list = []
+
+
+def turn_off_auto_jit_compile_when(veto) -> None:
+    """Makes Keras resolve ``jit_compile="auto"`` to False for a model when
+    ``veto(model)`` returns a reason (a one-line notice, printed once).
+
+    Keras resolves "auto" in ``compile()`` (after setting the optimizer) with
+    the trainer's private ``_resolve_auto_jit_compile``, which says True for
+    TensorFlow whenever it sees a GPU. The method is wrapped once; the
+    wrapper asks each veto, then Keras's own resolution.
+    """
+    from keras.src.trainers.trainer import Trainer
+
+    if veto not in _AUTO_JIT_VETOES:
+        _AUTO_JIT_VETOES.append(veto)
+    resolve = Trainer._resolve_auto_jit_compile
+    if getattr(resolve, "keras_dist_vetoes", False):
+        return
+
+    def resolve_with_vetoes(model):
+        for each in _AUTO_JIT_VETOES:
+            reason = each(model)
+            if reason:
+                from keras_dist._keras import warn_once
+
+                warn_once("auto-jit", reason)
+                return False
+        return resolve(model)
+
+    resolve_with_vetoes.keras_dist_vetoes = True
+    Trainer._resolve_auto_jit_compile = resolve_with_vetoes

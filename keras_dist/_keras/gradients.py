@@ -183,7 +183,7 @@ class GradientReduction:
         local_positions = set()
         if local:
             local_positions = {i for i, v in enumerate(variables) if id(v) in local}
-        if size > 1 and included:
+        if (size > 1 or not context.get().config.size_one_shortcut) and included:
             shared = [i for i in range(len(reduced)) if i not in local_positions]
             results = self._reduce_shared(
                 [reduced[i] for i in shared],

@@ -14,6 +14,7 @@ from keras_dist._keras.gradients import (
     check_local_layers,
     to_dense,
 )
+from keras_dist._runtime import context
 from keras_dist.tensor import ops as kd_ops
 
 _COMPRESSIONS = {"none": kd_ops.Compression.none, "fp16": kd_ops.Compression.fp16}
@@ -164,6 +165,8 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         backward_passes_per_step, average_aggregated_gradients = _accumulation(
             optimizer, backward_passes_per_step, average_aggregated_gradients)
         backends.check_supported()
+        if backends.name() == "tensorflow":
+            compat.turn_off_auto_jit_compile_when(_xla_conflict)
         # LossScaleOptimizer.__init__ would disable the inner optimizer's own
         # `loss_scale_factor`; only the base initialiser is wanted here.
         keras.optimizers.Optimizer.__init__(
@@ -338,14 +341,19 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
 
         ops.cond(communicating, lambda: self._apply_reduced(grads, trainable_variables), count)
 
+    def _reduces(self) -> bool:
+        """Whether the step reduces gradients (not at size 1, unless told to)."""
+        return (self._reduction.span()[0] > 1
+                or not context.get().config.size_one_shortcut)
+
     def _check_not_in_xla(self):
-        if self._reduction.span()[0] > 1 and compat.in_xla_context():
+        if self._reduces() and compat.in_xla_context():
             raise RuntimeError(
-                "DistributedOptimizer cannot run inside an XLA-compiled step "
-                "(jit_compile=True): its collectives are host calls that XLA cannot "
-                "compile. Compile the model with jit_compile=False, or pass a "
-                "keras_dist callback (e.g. BroadcastGlobalVariablesCallback) to fit(), "
-                "which turns XLA off for the train step."
+                "DistributedOptimizer cannot run inside an XLA-compiled step on TensorFlow "
+                "(its allreduce is a host call XLA cannot compile): compile the model with "
+                "jit_compile=False or \"auto\", or pass a keras_dist callback (e.g. "
+                "BroadcastGlobalVariablesCallback) to fit(), which turns XLA off for the "
+                "step. Received: jit_compile=True"
             )
 
     def _reduce(self, grads, trainable_variables):
@@ -472,3 +480,18 @@ def PartialDistributedOptimizer(optimizer, *, local_layers=None, **kwargs):  # n
     wrapped = DistributedOptimizer(optimizer, **kwargs)
     wrapped._local.layers.extend(local_layers)
     return wrapped
+
+
+def _xla_conflict(model) -> str | None:
+    """Why ``model``'s ``jit_compile="auto"`` must resolve to False on TensorFlow
+    (Keras turns XLA on there whenever TensorFlow sees a GPU), or None: its
+    optimizer is a ``DistributedOptimizer`` that reduces, which XLA cannot
+    compile. A plain ``compile``/``fit`` script then trains without XLA."""
+    optimizer = getattr(model, "optimizer", None)
+    while optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    if optimizer is None or not context.is_initialized() or not optimizer._reduces():
+        return None
+    return ("keras_dist: XLA (jit_compile=\"auto\") is off for the train step on "
+            "TensorFlow: DistributedOptimizer's allreduce is a host call that XLA cannot "
+            "compile.")

@@ -137,6 +137,8 @@ def launch_once(options: LaunchOptions, job_env: dict[str, str] | None = None,
         job_env["PYTHONFAULTHANDLER"] = "1"
     if options.timeline:
         job_env[TIMELINE_ENV] = os.path.abspath(options.timeline)
+    if options.gpu_per_rank:
+        job_env[supervisor.GPU_PER_RANK_ENV] = "1"
     env = dict(os.environ, **job_env)
     if flavor.startswith("openmpi") and os.geteuid() == 0:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")

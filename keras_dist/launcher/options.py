@@ -12,7 +12,7 @@ from keras_dist.launcher import slurm as _slurm
 USAGE = """\
 usage: kdrun [-np N] [-H HOST:SLOTS[,...] | --hostfile FILE] [--timeline PATH]
              [--output-dir DIR] [--no-label] [--ranks LIST] [--bind-to none|core]
-             [--] COMMAND...
+             [--gpu-per-rank] [--] COMMAND...
 
 Runs COMMAND (no shell) on N ranks through mpiexec.
 
@@ -30,6 +30,9 @@ options:
   --bind-to WHAT       none (default): ranks run on any core; core: each rank is
                        pinned to one core of its host, in order (for ranks of one
                        thread each, at most one rank per core)
+  --gpu-per-rank       give each rank one GPU of its host: CUDA_VISIBLE_DEVICES is
+                       the GPU at its local rank (among those CUDA_VISIBLE_DEVICES
+                       lists for kdrun, else GPU <local rank>)
   --mpiexec PATH       the mpiexec to use (default: beside this Python, else on PATH)
   -h, --help           show this message
 
@@ -91,6 +94,9 @@ class LaunchOptions:
     elastic: ElasticOptions | None = None
     #: ``"none"``, or ``"core"``: mpiexec pins each rank to a core of its host.
     bind_to: str = "none"
+    #: Each rank sees one GPU of its host, the one at its local rank
+    #: (``supervisor.gpu_for_local_rank``).
+    gpu_per_rank: bool = False
 
 
 def _resolve_hosts(
@@ -158,8 +164,8 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Lau
             raise UsageError("")
         if not arg.startswith("-") or arg == "-":
             break
-        if arg == "--no-label":  # the one option without a value
-            values["no_label"] = ""
+        if arg in ("--no-label", "--gpu-per-rank"):  # the options without a value
+            values[arg[2:].replace("-", "_")] = ""
             index += 1
             continue
         name, has_value, value = arg.partition("=")
@@ -234,6 +240,7 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Lau
         ranks=ranks,
         elastic=elastic,
         bind_to=bind_to,
+        gpu_per_rank="gpu_per_rank" in values,
     )
 
 

@@ -59,6 +59,12 @@ import time
 SUPERVISOR_FD_ENV = "KERAS_DIST_SUPERVISOR_FD"
 #: Set by kdrun in an elastic job (its value is the elastic job's identifier).
 ELASTIC_ENV = "KERAS_DIST_ELASTIC_JOB"
+#: Set by ``kdrun --gpu-per-rank``: each rank sees the GPU at its local rank.
+GPU_PER_RANK_ENV = "KERAS_DIST_GPU_PER_RANK"
+#: Environment variables naming a rank's place on its host (hydra, Open MPI,
+#: PMIx, Slurm).
+LOCAL_RANK_ENV = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMIX_LOCAL_RANK",
+                  "SLURM_LOCALID")
 #: How often a supervisor of an elastic job says it is alive.
 HEARTBEAT_SECONDS = 1.0
 MAGIC = b"\x1ekd1 "
@@ -93,6 +99,35 @@ def rank_and_size(environ) -> tuple[int, int | None]:
         )
     size = next((environ[name] for name in SIZE_ENV if environ.get(name, "").isdigit()), None)
     return int(rank), int(size) if size is not None else None
+
+
+def gpu_for_local_rank(environ) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` for a rank of ``kdrun --gpu-per-rank`` (None
+    when the option is off): the entry at the rank's local rank of the list
+    kdrun was given, else the local rank itself.
+
+    Raises:
+        ValueError: no local-rank variable is set, or the list has no entry
+            for this local rank (ranks must not share a GPU silently).
+    """
+    if not environ.get(GPU_PER_RANK_ENV):
+        return None
+    local = next((environ[name] for name in LOCAL_RANK_ENV
+                  if environ.get(name, "").isdigit()), None)
+    if local is None:
+        raise ValueError(
+            f"kdrun --gpu-per-rank needs the rank's local rank from its process manager, "
+            f"in one of {', '.join(LOCAL_RANK_ENV)}. Received none of them.")
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return local
+    gpus = [gpu.strip() for gpu in listed.split(",") if gpu.strip()]
+    if int(local) >= len(gpus):
+        raise ValueError(
+            f"kdrun --gpu-per-rank gives each rank of a host one GPU, and local rank {local} "
+            f"has none left: CUDA_VISIBLE_DEVICES lists {len(gpus)} ({listed!r}). Run at "
+            "most that many ranks per host.")
+    return gpus[int(local)]
 
 
 def frame(rank: int, kind: str, payload: bytes) -> bytes:
@@ -187,6 +222,9 @@ class Supervisor:
     def __init__(self, command: list[str], environ=None, out_fd: int = 1) -> None:
         self.environ = dict(os.environ if environ is None else environ)
         self.rank, self.size = rank_and_size(self.environ)
+        gpu = gpu_for_local_rank(self.environ)
+        if gpu is not None:
+            self.environ["CUDA_VISIBLE_DEVICES"] = gpu
         self.command = command
         self.out_fd = out_fd
         self.host = socket.gethostname()

@@ -18,6 +18,7 @@ import numpy as np
 
 from keras_dist.errors import CollectiveMismatchError
 from keras_dist.tensor import fusion
+from keras_dist.tensor.counters import COUNTERS
 
 
 def is_tf(value) -> bool:
@@ -111,6 +112,7 @@ def to_numpy(value) -> np.ndarray:
     if is_tf(value):
         return value.numpy()
     if is_cupy(value):
+        COUNTERS["device_to_host"] += 1
         return value.get()
     if is_torch(value):
         return _torch().to_numpy(value)
@@ -135,7 +137,8 @@ def like(template, array: np.ndarray):
     if is_cupy(template):
         import cupy
 
-        return cupy.asarray(array)
+        with template.device:  # on the template's GPU, not the current one
+            return cupy.asarray(array)
     if is_torch(template):
         return _torch().like(template, array)
     if is_jax(template):
@@ -466,7 +469,7 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
         try:
             if path is not None:
                 return run_on_device(list(inputs), on_device, *path)
-            arrays = numpy_fn([t.numpy() for t in inputs])
+            arrays = numpy_fn(_tf_to_numpy(inputs))
         except (CollectiveMismatchError, ValueError, TypeError, NotImplementedError) as error:
             raise as_tf_error(error) from error
         return [_to_tensor(a, t) for a, t in zip(arrays, _templates(inputs, len(arrays)))]
@@ -482,12 +485,18 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
             for r, v in zip(results, _templates(values, len(results)))]
 
 
+def _tf_to_numpy(tensors: Sequence) -> list[np.ndarray]:
+    """Eager TF tensors as numpy arrays (those in GPU memory counted as copies)."""
+    COUNTERS["device_to_host"] += sum(1 for t in tensors if _tf().on_gpu(t))
+    return [t.numpy() for t in tensors]
+
+
 def _tf_device_path_available() -> bool:
     """True when a traced TF step may hand GPU tensors to cupy: TF sees a GPU and
     cupy imports (read when the step is traced)."""
     from keras_dist.tensor import gpu
 
-    return _tf().gpu_visible() and gpu.cupy_or_none() is not None
+    return _tf().gpu_visible() and gpu.usable_cupy() is not None
 
 
 def _templates(inputs: Sequence, count: int) -> list:
@@ -667,7 +676,7 @@ def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | N
         path = device_path(inputs)
         if path is not None:
             return run_on_device(inputs, device_fn, *path)
-        return numpy_fn([t.numpy() for t in inputs])
+        return numpy_fn(_tf_to_numpy(inputs))
 
     def call(*arrays):
         try:

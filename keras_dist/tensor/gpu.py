@@ -18,32 +18,143 @@ in-place arithmetic), so the CPU tests run it on numpy arrays.
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import sys
+import warnings
 
 import numpy as np
 
 from keras_dist import _vocab, transports
 from keras_dist._runtime import context, timeline
+from keras_dist.errors import TransportError
 from keras_dist.tensor import fusion
 
-#: dtypes the device path carries: NCCL's, less bfloat16 (cupy has no bfloat16;
-#: bfloat16 framework tensors take the host path).
+#: dtypes the device path carries (NCCL's); bfloat16 too where cupy has it
+#: (``carries``).
 DEVICE_DTYPE_CODES = frozenset({_vocab.UINT8, _vocab.INT32, _vocab.INT64, _vocab.FLOAT16,
                                 _vocab.FLOAT32, _vocab.FLOAT64})
 
 
-def carries(dtypes) -> bool:
-    """True when the device path can carry every dtype of ``dtypes``."""
-    return all(_vocab.is_supported(d) and _vocab.dtype_code(d) in DEVICE_DTYPE_CODES
-               for d in dtypes)
+def carries(dtypes, xp=None) -> bool:
+    """True when the device path can carry every dtype of ``dtypes`` (with
+    ``xp``, the array module that would: bfloat16 where it has that dtype,
+    asked only when a bfloat16 value comes)."""
+    dtypes = list(dtypes)
+    if not all(_vocab.is_supported(d) for d in dtypes):
+        return False
+    codes = {_vocab.dtype_code(d) for d in dtypes}
+    if _vocab.BFLOAT16 in codes and xp is not None and xp is not np and _has_bfloat16(xp):
+        codes.discard(_vocab.BFLOAT16)
+    return codes <= DEVICE_DTYPE_CODES
 
 
-def cupy_or_none():
-    """The cupy module, or None when it does not import (the host path then serves)."""
+@functools.cache
+def _has_bfloat16(xp) -> bool:
+    """Whether cupy makes, scales, copies and hands over bfloat16 arrays (cupy 14
+    does; older releases lack the dtype: bfloat16 values then take the host path)."""
+    try:
+        probe = xp.zeros(4, _vocab.bfloat16_dtype())
+        probe[1:3] = xp.ones(2, _vocab.bfloat16_dtype())
+        _vocab.scale_in_place(probe, 3.0, xp)
+        return float(xp.from_dlpack(probe)[1].astype(np.float32)) == 3.0
+    except Exception:  # noqa: BLE001 - any failure means cupy cannot carry it
+        return False
+
+
+def device_module(dtypes):
+    """cupy when GPU values of ``dtypes`` can take the device path: cupy is
+    usable (``usable_cupy``) and carries every dtype; None otherwise (the host
+    path)."""
+    xp = usable_cupy()
+    if xp is None or not carries(list(dtypes), xp):
+        return None
+    return xp
+
+
+@functools.cache
+def _cupy_or_reason() -> tuple[object | None, str | None]:
+    """``(cupy, None)`` when cupy imports and reaches a GPU, else ``(None, why not)``."""
     try:
         import cupy
-    except ImportError:
-        return None
-    return cupy
+    except ImportError as error:
+        return None, (f"cupy does not import ({error}; pip install 'keras-dist[cuda12]' or "
+                      "'keras-dist[cuda13]')")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # noqa: BLE001 - cupy raises its own CUDA errors
+        return None, (f"cupy {cupy.__version__} imports but cannot use CUDA "
+                      f"({type(error).__name__}: {error})")
+    if count == 0:
+        return None, f"cupy {cupy.__version__} sees no GPU"
+    return cupy, None
+
+
+_NOTICES: set[str] = set()
+
+
+def usable_cupy():
+    """cupy, when GPU values can go to it; else None, with a one-time notice that
+    GPU values are reduced through host memory, and why.
+
+    Raises:
+        TransportError: ``KERAS_DIST_GPU_OPERATIONS=nccl`` asked for the GPU
+            data plane and cupy cannot serve it (never a silent fallback).
+    """
+    cupy, reason = _cupy_or_reason()
+    if cupy is not None:
+        return cupy
+    if context.is_initialized() and context.get().config.gpu_operations == "nccl":
+        raise TransportError(
+            "KERAS_DIST_GPU_OPERATIONS=nccl asks for NCCL, but GPU values cannot reach it: "
+            f"{reason}. Install cupy with NCCL, or set KERAS_DIST_GPU_OPERATIONS=mpi to "
+            "reduce GPU values through host memory.")
+    if reason not in _NOTICES:
+        _NOTICES.add(reason)
+        warnings.warn(f"keras_dist: GPU values are reduced through host memory: {reason}.",
+                      RuntimeWarning, stacklevel=3)
+    return None
+
+
+#: Settings that make TensorFlow and JAX take GPU memory as they need it,
+#: rather than nearly all of it (TensorFlow) or 75% (JAX) when they start.
+MEMORY_SETTINGS = {"TF_FORCE_GPU_ALLOW_GROWTH": "true", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def leave_gpu_memory() -> list[str]:
+    """Leaves GPU memory to NCCL and the fusion buffers (at ``kd.init()``).
+
+    Sets ``MEMORY_SETTINGS`` where the user has not set them (the framework
+    reads them when it starts using its GPUs, so they serve a framework that
+    has not yet), and, for a framework that has started already, says why
+    the GPU collectives may run out of memory. Torch's allocator takes memory
+    as it needs it. Returns the notices (also given as warnings).
+    """
+    before = {name: os.environ.get(name) for name in MEMORY_SETTINGS}
+    for name, value in MEMORY_SETTINGS.items():
+        os.environ.setdefault(name, value)
+    notices = []
+    if "tensorflow" in sys.modules:
+        from keras_dist.tensor import tf_glue
+
+        notices.append(tf_glue.memory_notice(before["TF_FORCE_GPU_ALLOW_GROWTH"]))
+    if "jax" in sys.modules:
+        from keras_dist.tensor import jax_glue
+
+        notices.append(jax_glue.memory_notice(before["XLA_PYTHON_CLIENT_PREALLOCATE"]))
+    notices = [n for n in notices if n]
+    for notice in notices:
+        warnings.warn(notice, RuntimeWarning, stacklevel=3)
+    return notices
+
+
+@functools.lru_cache(maxsize=64)
+def _external_stream(xp, stream_pointer: int, device_id: int):
+    """cupy's wrapper of a framework's stream, made once per stream: cupy 14
+    deprecates ``ExternalStream`` (a warning at each construction)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return xp.cuda.ExternalStream(stream_pointer, device_id)
 
 
 @contextlib.contextmanager
@@ -58,7 +169,7 @@ def device_scope(xp, device_id: int, stream_pointer: int | None = None):
         if stream_pointer is None:
             yield
         else:
-            with xp.cuda.ExternalStream(stream_pointer, device_id):
+            with _external_stream(xp, stream_pointer, device_id):
                 yield
 
 
@@ -99,6 +210,12 @@ def _array_module(value):
     return np
 
 
+def _device_id(array) -> int:
+    """The GPU ``array`` is on (0 for the numpy arrays of the CPU tests)."""
+    device = getattr(array, "device", None)
+    return getattr(device, "id", 0) or 0
+
+
 def grouped_allreduce(values: list, op: _vocab.ReduceOp, prescale: float, postscale: float,
                       compression, counters: dict[str, int], name: str = "allreduce",
                       group=None, labels: list[str] | None = None) -> list:
@@ -112,7 +229,7 @@ def grouped_allreduce(values: list, op: _vocab.ReduceOp, prescale: float, postsc
     group = group or context.get()
     compressed, contexts = zip(*(compression.compress(v) for v in values))
     xp = _array_module(compressed[0])
-    if group.size == 1:
+    if group.size == 1 and group.config.size_one_shortcut:
         results = list(compressed)
         if prescale != 1.0 or postscale != 1.0:
             for index, value in enumerate(compressed):
@@ -122,7 +239,7 @@ def grouped_allreduce(values: list, op: _vocab.ReduceOp, prescale: float, postsc
                 _vocab.scale_in_place(result, postscale, xp)
                 results[index] = result
     else:
-        transport = transports.gpu_transport(group)
+        transport = transports.gpu_transport(group, _device_id(compressed[0]))
         results = list(compressed)
         threshold = group.config.fusion_threshold_bytes
         with timeline.activity(name, "allreduce", sum(v.nbytes for v in compressed), transport,
@@ -136,6 +253,9 @@ def grouped_allreduce(values: list, op: _vocab.ReduceOp, prescale: float, postsc
                 _vocab.scale_in_place(flat, prescale, xp)
                 transport.allreduce(flat, _vocab.TRANSPORT_OPS[op], name=f"{name} {op.value}")
                 counters["allreduce"] += 1
+                counters["gpu_allreduce"] += 1
+                if transport.stages_through_host:
+                    counters["device_to_host"] += 1
                 _vocab.finish_reduction(flat, op, group.size, postscale, xp)
                 for index, offset, member in zip(bucket, offsets, members):
                     results[index] = flat[offset : offset + member.size].reshape(member.shape)

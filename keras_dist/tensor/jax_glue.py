@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -41,6 +42,7 @@ import numpy as np
 
 from keras_dist import _config
 from keras_dist.tensor import gpu
+from keras_dist.tensor.counters import COUNTERS
 
 
 def is_traced(value) -> bool:
@@ -54,6 +56,8 @@ def to_numpy(array) -> np.ndarray:
             "or a Keras train step on the JAX backend); call it outside the traced "
             "function. Received: a tracer of shape "
             f"{tuple(array.shape)} and dtype {array.dtype}")
+    if _on_gpu(array):
+        COUNTERS["device_to_host"] += 1
     return np.asarray(array)
 
 
@@ -100,6 +104,31 @@ def run_traced(values: Sequence, numpy_fn: Callable, name: str,
     return list(io_callback(host, tuple(results), *values, ordered=True))
 
 
+def memory_notice(preallocate_setting: str | None) -> str | None:
+    """Why NCCL and cupy may find no GPU memory left, or None.
+
+    JAX takes 75% of every GPU it uses when its GPU backend starts, unless
+    ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (or another allocator setting)
+    was in the environment then; ``kd.init()`` sets it where the user has not,
+    which serves when the backend has not started. ``preallocate_setting``
+    is the variable as it was before ``kd.init()``.
+    """
+    started = getattr(getattr(jax, "_src", None), "xla_bridge", None)
+    started = getattr(started, "backends_are_initialized", None)
+    if started is None or not started():
+        return None
+    if (preallocate_setting or "").strip().lower() in ("false", "0") or \
+            os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform" or \
+            "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ:
+        return None
+    if not any(device.platform == "gpu" for device in jax.devices()):
+        return None
+    return ("keras_dist: JAX started its GPU backend before kd.init() and took 75% of the GPU's "
+            "memory, so NCCL and keras_dist's fusion buffers may run out of it. Call kd.init() "
+            "before JAX's first computation, or set XLA_PYTHON_CLIENT_PREALLOCATE=false before "
+            "starting.")
+
+
 # ---------------------------------------------------------------------------
 # The device path.
 
@@ -111,9 +140,9 @@ def _on_gpu(array) -> bool:
 def device_module(arrays):
     """cupy when every (eager) array is on a GPU, of a dtype the device path
     carries, and cupy imports; None otherwise (the host path)."""
-    if not all(_on_gpu(a) for a in arrays) or not gpu.carries(a.dtype for a in arrays):
+    if not all(_on_gpu(a) for a in arrays):
         return None
-    return gpu.cupy_or_none()
+    return gpu.device_module(a.dtype for a in arrays)
 
 
 def device_scope(arrays, xp):
@@ -134,9 +163,9 @@ def from_device_arrays(arrays, templates, xp) -> list:
 def traced_device_module(values):
     """cupy when JAX compiles for a GPU, the values' dtypes are carried and cupy
     imports; None otherwise (the ordered host callback serves)."""
-    if jax.default_backend() != "gpu" or not gpu.carries(v.dtype for v in values):
+    if jax.default_backend() != "gpu":
         return None
-    return gpu.cupy_or_none()
+    return gpu.device_module(v.dtype for v in values)
 
 
 #: (trace, an output of the last device callback traced in it): the next one

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from keras_dist._runtime import context
+from keras_dist.errors import TransportError
 
 
 def join(process_set=None) -> int:
@@ -21,8 +22,20 @@ def join(process_set=None) -> int:
     Returns:
         The job rank that joined last (the highest of them when several
         joined at once), a valid ``root_rank`` for the group's broadcasts.
+
+    Raises:
+        TransportError: GPU values of the group are reduced by NCCL, which
+            cannot go on without every rank; the other ranks raise too, at
+            their next GPU collective or in the one they wait in
+            (``KERAS_DIST_GPU_OPERATIONS=mpi`` stages GPU values through
+            host memory, where ``join`` works).
     """
     group = context.group_for(process_set)
     if group.size == 1:
         return group.ranks[0]
+    if group.gpu_transport is not None:
+        reason = group.gpu_transport.refuse_join(group.rank)
+        if reason is not None:
+            raise TransportError(f"join() cannot run on rank {group.ranks[group.rank]}: "
+                                 f"{reason}.")
     return group.ranks[group.transport.join()]

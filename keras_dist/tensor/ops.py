@@ -30,17 +30,11 @@ from keras_dist.tensor.conversions import (
     run,
     unwrap,
 )
+from keras_dist.tensor.counters import COUNTERS
 from keras_dist.transports.joinable import JoinableTransport
 from keras_dist.transports.shm import NATIVE_ERRORS as _NATIVE_ERRORS
 from keras_dist.transports.shm import ShmTransport
 from keras_dist.transports.shm import translate as _translate
-
-#: Transport calls made by this process, by collective ("allreduce", ...).
-#: One fused bucket is one call. Tests count collectives with it.
-COUNTERS: dict[str, int] = dict.fromkeys(
-    ("allreduce", "allgather", "broadcast", "alltoall", "barrier", "broadcast_object",
-     "allgather_object"), 0)  # a plain dict: 0.1 us cheaper to count in than a Counter
-
 
 # ---------------------------------------------------------------------------
 # Argument checks. Every collective makes them before anything else, at any

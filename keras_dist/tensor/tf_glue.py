@@ -2,14 +2,25 @@
 
 Imported only when a TensorFlow value may take the device path
 (``conversions.device_path``, and the ``tf.py_function`` op ``conversions.run``
-builds inside a traced step when TensorFlow sees a GPU and cupy imports).
+builds inside a traced step when TensorFlow sees a GPU and cupy is usable).
+
+Which tensors: those whose memory is on a GPU, as their DLPack export says.
+A tensor's ``device`` is where its op ran, not where its memory is:
+TensorFlow keeps int32 tensors placed on a GPU in host memory, and cupy
+refuses their capsules. Such tensors take the host path.
+
+Device numbers: TensorFlow's are logical (after Horovod's pinning recipe a
+rank's only GPU is ``GPU:0`` whatever CUDA device it is). The CUDA device of
+a tensor is read once per logical GPU from where its memory is, and each
+capsule is rewritten to it on the way to cupy and back to TensorFlow's
+number on the way back (``dlpack``).
 
 Ordering: TensorFlow does not expose the CUDA stream its kernels run on, and
-its DLPack export carries no stream. So the hand-over has one documented
-synchronisation point each way, per collective call (not per tensor):
-``tf.test.experimental.sync_devices()`` before the tensors are read (every op
-TensorFlow has queued has finished, the gradients included), and, once the
-collective has completed, a synchronisation of cupy's current stream before
+its DLPack export carries no stream. So the hand-over has one synchronisation
+point each way, per collective call (not per tensor): the tensors' GPU is
+synchronised before they are read (every kernel TensorFlow has queued there
+has finished, the gradients included; other GPUs are left alone), and, once
+the collective has completed, cupy's current stream is synchronised before
 the results are handed back (TensorFlow's kernels then read finished data).
 Between the two, cupy and NCCL order their own work by events.
 """
@@ -19,11 +30,17 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from keras_dist.tensor import gpu
+from keras_dist.tensor import dlpack, gpu
+
+#: TensorFlow's logical GPU number -> its CUDA device, as found from memory.
+_CUDA_DEVICE: dict[int, int] = {}
 
 
-def _on_gpu(tensor) -> bool:
-    return "GPU" in (tensor.device or "").upper()
+def on_gpu(tensor) -> bool:
+    """True when the (eager) tensor's memory is on a GPU."""
+    if "GPU" not in (tensor.device or "").upper():
+        return False
+    return tensor.__dlpack_device__()[0] == dlpack.KDL_CUDA
 
 
 def gpu_visible() -> bool:
@@ -32,30 +49,45 @@ def gpu_visible() -> bool:
 
 
 def device_module(tensors):
-    """cupy when every (eager) tensor is on a GPU, of a dtype the device path
-    carries, and cupy imports; None otherwise (the host path)."""
-    if not all(_on_gpu(t) for t in tensors):
+    """cupy when every (eager) tensor is in GPU memory, of a dtype the device
+    path carries, and cupy is usable; None otherwise (the host path)."""
+    if not all(on_gpu(t) for t in tensors):
         return None
-    if not gpu.carries(t.dtype.as_numpy_dtype for t in tensors):
-        return None
-    return gpu.cupy_or_none()
+    return gpu.device_module(t.dtype.as_numpy_dtype for t in tensors)
+
+
+def cuda_device(tensor, xp) -> int:
+    """The CUDA device holding ``tensor``'s memory (``xp`` numpy: its DLPack number)."""
+    logical = tensor.__dlpack_device__()[1]
+    if xp is np:
+        return logical
+    if logical not in _CUDA_DEVICE:
+        pointer = dlpack.data_pointer(tf.experimental.dlpack.to_dlpack(tensor))
+        if not pointer:  # no memory to ask about: the current device serves
+            return xp.cuda.Device().id
+        _CUDA_DEVICE[logical] = xp.cuda.runtime.pointerGetAttributes(pointer).device
+    return _CUDA_DEVICE[logical]
 
 
 def device_scope(tensors, xp):
     """cupy on the tensors' GPU (cupy's own stream: TensorFlow's is not exposed)."""
-    return gpu.device_scope(xp, tensors[0].__dlpack_device__()[1])
+    return gpu.device_scope(xp, cuda_device(tensors[0], xp))
 
 
 class _Export:
-    """A TensorFlow tensor's DLPack capsule behind the ``__dlpack__`` protocol.
+    """A TensorFlow tensor's DLPack capsule behind the ``__dlpack__`` protocol,
+    naming the CUDA device ``device_id``.
 
     TensorFlow's export ignores streams; ``to_device_arrays`` has synchronised
-    the devices first, so the consumer's stream argument is not needed.
+    the device first, so the consumer's stream argument is not needed.
     """
 
-    def __init__(self, tensor) -> None:
-        self._device = tensor.__dlpack_device__()
+    def __init__(self, tensor, device_id: int) -> None:
+        device_type, logical = tensor.__dlpack_device__()
+        self._device = (device_type, device_id)
         self._capsule = tf.experimental.dlpack.to_dlpack(tensor)
+        if logical != device_id:
+            dlpack.set_device_id(self._capsule, device_id)
 
     def __dlpack_device__(self):
         return self._device
@@ -64,14 +96,57 @@ class _Export:
         return self._capsule
 
 
+def synchronize(xp, device_id: int) -> None:
+    """Waits for the work queued on GPU ``device_id``, TensorFlow's included (its
+    streams are on that device); other GPUs are left alone."""
+    if xp is not np:
+        xp.cuda.Device(device_id).synchronize()
+
+
 def to_device_arrays(tensors, xp) -> list:
-    """The tensors as ``xp`` arrays sharing their memory, after TensorFlow's queued work."""
-    tf.test.experimental.sync_devices()
-    return [xp.from_dlpack(_Export(t)) for t in tensors]
+    """The tensors as ``xp`` arrays sharing their memory, after TensorFlow's
+    queued work on their GPU."""
+    device_id = cuda_device(tensors[0], xp)
+    synchronize(xp, device_id)
+    return [xp.from_dlpack(_Export(t, device_id)) for t in tensors]
 
 
 def from_device_arrays(arrays, templates, xp) -> list:
-    """``xp`` arrays as TensorFlow tensors sharing their memory, once finished."""
+    """``xp`` arrays as TensorFlow tensors sharing their memory, once finished,
+    on their templates' (logical) GPU."""
     if xp is not np:
         xp.cuda.get_current_stream().synchronize()
-    return [tf.experimental.dlpack.from_dlpack(a.__dlpack__()) for a in arrays]
+    results = []
+    for array, template in zip(arrays, templates):
+        capsule = array.__dlpack__()
+        logical = template.__dlpack_device__()[1]
+        if dlpack.device(capsule)[1] != logical:
+            dlpack.set_device_id(capsule, logical)
+        results.append(tf.experimental.dlpack.from_dlpack(capsule))
+    return results
+
+
+def memory_notice(growth_setting: str | None) -> str | None:
+    """Why NCCL and cupy may find no GPU memory left, or None.
+
+    TensorFlow reserves nearly all of a GPU's memory when it starts using it,
+    unless memory growth is on (``tf.config.experimental.set_memory_growth``
+    or ``TF_FORCE_GPU_ALLOW_GROWTH=true``) or the user gave it a memory limit.
+    Turns growth on where TensorFlow has not started; ``growth_setting`` is
+    ``TF_FORCE_GPU_ALLOW_GROWTH`` as it was before ``kd.init()``.
+    """
+    for device in tf.config.list_physical_devices("GPU"):
+        if (tf.config.experimental.get_memory_growth(device)
+                or tf.config.get_logical_device_configuration(device)):
+            continue
+        try:
+            tf.config.experimental.set_memory_growth(device, True)
+        except RuntimeError:  # TensorFlow has started using its GPUs
+            if (growth_setting or "").strip().lower() != "true":
+                return ("keras_dist: TensorFlow started using its GPUs before kd.init() "
+                        "without memory growth and holds nearly all their memory, so NCCL and "
+                        "keras_dist's fusion buffers may run out of it. Call kd.init() before "
+                        "TensorFlow's first op, or turn on memory growth "
+                        "(tf.config.experimental.set_memory_growth(gpu, True)) first.")
+            return None
+    return None

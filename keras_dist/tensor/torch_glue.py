@@ -21,6 +21,7 @@ import torch
 
 from keras_dist._vocab import bfloat16_dtype
 from keras_dist.tensor import gpu
+from keras_dist.tensor.counters import COUNTERS
 
 
 def numpy_dtype(tensor) -> np.dtype:
@@ -32,6 +33,7 @@ def numpy_dtype(tensor) -> np.dtype:
 def to_numpy(tensor) -> np.ndarray:
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
+        COUNTERS["device_to_host"] += 1
         tensor = tensor.cpu()
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(numpy_dtype(tensor))
@@ -65,9 +67,7 @@ def device_module(tensors):
     imports; None otherwise (the host path)."""
     if not all(t.device.type == "cuda" for t in tensors):
         return None
-    if not gpu.carries(numpy_dtype(t) for t in tensors):
-        return None
-    return gpu.cupy_or_none()
+    return gpu.device_module(numpy_dtype(t) for t in tensors)
 
 
 def device_scope(tensors, xp):

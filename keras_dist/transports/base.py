@@ -18,6 +18,9 @@ class Transport(abc.ABC):
 
     #: Short name used in settings and error messages ("mpi", "shm", ...).
     name: str = ""
+    #: Whether the transport copies device buffers through host memory (a GPU
+    #: data plane staged on a CPU transport); the tensor layer counts those copies.
+    stages_through_host: bool = False
 
     def __init__(self) -> None:
         self._scratch = np.empty(0, np.uint8)
@@ -89,6 +92,14 @@ class Transport(abc.ABC):
     def wait_seconds(self) -> float | None:
         """Seconds spent waiting for peers in collectives so far, or None when
         the transport cannot tell (the timeline then shows whole calls)."""
+        return None
+
+    def refuse_join(self, rank: int) -> str | None:
+        """Called when ``rank`` (this rank) calls ``join``: None when the
+        transport's collectives can go on with ranks joined, else why not,
+        after telling the peers, whose collectives on this transport then
+        raise with the same reason (so every rank raises). CPU transports
+        serve ``join`` (``joinable``); the default says so."""
         return None
 
     def close(self) -> None:

@@ -18,6 +18,8 @@ from keras_dist.transports.base import Transport
 class HostStagedTransport(Transport):
     """Collectives on cupy device arrays, carried out by a CPU transport."""
 
+    stages_through_host = True
+
     def __init__(self, cpu: Transport) -> None:
         super().__init__()
         self.cpu = cpu

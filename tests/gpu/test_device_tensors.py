@@ -1,7 +1,8 @@
 """torch and JAX tensors on a real GPU at one rank: the device path, NCCL, fit.
 
-Run by tests/gpu/run_gpu_checks.sh (once with KERAS_BACKEND=torch, once with
-jax). Skipped, with the reason, without cupy, a GPU, or the framework's GPU.
+Run with pytest on a GPU machine (once with KERAS_BACKEND=torch, once with
+jax); tests/gpu/device_check.sh is the one-call check of the same paths.
+Skipped, with the reason, without cupy, a GPU, or the framework's GPU.
 One GPU is enough: NCCL runs a one-rank communicator here; NCCL will not put
 two ranks on one GPU, so multi-rank NCCL runs in tests/gpu/test_nccl.py on
 machines with two GPUs or more.
@@ -58,10 +59,12 @@ def nccl_one_rank():
     """The NCCL transport over a one-rank communicator, chosen as the job would."""
     from mpi4py import MPI
 
+    from keras_dist.transports.local import LocalTransport
+
     group = types.SimpleNamespace(config=Config(gpu_operations="nccl", timeout_seconds=60.0),
-                                  comm=MPI.COMM_SELF, local_rank=0, transport=None,
-                                  gpu_transport=None, size=1)
-    transport = transports.gpu_transport(group)
+                                  comm=MPI.COMM_SELF, rank=0, ranks=(0,), local_rank=0,
+                                  transport=LocalTransport(), gpu_transport=None, size=1)
+    transport = transports.gpu_transport(group, cupy.cuda.Device().id)
     yield transport
     transport.close()
 
@@ -133,7 +136,16 @@ def test_jax_gpu_arrays_eager_and_inside_jit(nccl_one_rank):
     np.testing.assert_allclose(np.asarray(reduced), np.arange(1000) / 2, rtol=1e-6)
 
 
-def test_distributed_optimizer_fit_matches_one_process_reference():
+def test_distributed_optimizer_fit_matches_one_process_reference(monkeypatch):
+    """At one rank with the size-1 shortcut off, so every step's gradients do
+    go through the GPU data plane (NCCL with one rank) and back."""
+    import dataclasses
+
+    from keras_dist._runtime import context
+
+    group = context.get()
+    monkeypatch.setattr(group, "config",
+                        dataclasses.replace(group.config, size_one_shortcut=False))
     keras = pytest.importorskip("keras", reason="needs keras")
     backend = keras.backend.backend()
     if backend == "torch":
@@ -155,6 +167,10 @@ def test_distributed_optimizer_fit_matches_one_process_reference():
         return [np.asarray(keras.ops.convert_to_numpy(w)) for w in model.weights]
 
     reference = train(keras.optimizers.SGD(0.05))
+    before = dict(ops.COUNTERS)
     distributed = train(kd.DistributedOptimizer(keras.optimizers.SGD(0.05)))
+    steps = 2 * 256 // 32
+    assert ops.COUNTERS["gpu_allreduce"] - before["gpu_allreduce"] >= steps
+    assert ops.COUNTERS["device_to_host"] == before["device_to_host"]  # stayed on the GPU
     for got, want in zip(distributed, reference):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -34,9 +34,10 @@ for dtype in (np.float16, np.float32, np.float64, np.int32, np.int64):
 floats = [np.random.default_rng([10, k]).standard_normal(257) for k in range(n)]
 got = kd.grouped_allreduce([cupy.asarray(floats[r])], op=kd.Average, prescale_factor=0.5)[0]
 assert np.allclose(cupy.asnumpy(got), np.mean(floats, axis=0) * 0.5, rtol=1e-12)
-if n > 1:
-    name = kd._get().gpu_transport.name
-    assert name.startswith(os.environ["EXPECTED_TRANSPORT"]), name
+name = kd._get().gpu_transport.name  # made at one rank too: the shortcut is off
+assert name.startswith(os.environ["EXPECTED_TRANSPORT"]), name
+from keras_dist.tensor.ops import COUNTERS
+assert COUNTERS["gpu_allreduce"] >= 6, COUNTERS
 print("GPU ALLREDUCE OK", r, flush=True)
 """
 
@@ -53,6 +54,7 @@ def test_gpu_allreduce_matches_numpy(operations, np_, gpus_needed, expected):
         pytest.skip(f"needs {gpus_needed} GPUs; {_gpu_count()} visible")
     result = run_job(["python", "-c", WORKER], np=np_, timeout=150,
                      env={"KERAS_DIST_GPU_OPERATIONS": operations,
+                          "KERAS_DIST_SIZE_ONE_SHORTCUT": "0",
                           "EXPECTED_TRANSPORT": expected})
     result.check()
     for rank in range(np_):

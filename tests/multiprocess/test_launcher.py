@@ -119,6 +119,27 @@ def test_bind_to_core_pins_each_rank_to_its_own_core():
     assert all(f"CORES {mine}" in free.output(r) for r in (0, 1)), free.describe()
 
 
+def test_gpu_per_rank_gives_each_rank_the_gpu_at_its_local_rank():
+    code = "import os; print('GPUS', os.environ.get('CUDA_VISIBLE_DEVICES'))"
+    listed = run_job([sys.executable, "-c", code], np=2, timeout=60,
+                     env={"CUDA_VISIBLE_DEVICES": "3,5"},
+                     kdrun_args=["--gpu-per-rank"]).check()
+    assert [listed.output(r).split("GPUS ", 1)[1].split()[0] for r in (0, 1)] == ["3", "5"], \
+        listed.describe()
+    unlisted = run_job([sys.executable, "-c", code], np=2, timeout=60,
+                       env={"CUDA_VISIBLE_DEVICES": None}, kdrun_args=["--gpu-per-rank"]).check()
+    assert [unlisted.output(r).split("GPUS ", 1)[1].split()[0] for r in (0, 1)] == ["0", "1"], \
+        unlisted.describe()
+    too_few = run_job([sys.executable, "-c", code], np=2, timeout=60,
+                      env={"CUDA_VISIBLE_DEVICES": "3"}, kdrun_args=["--gpu-per-rank"])
+    assert too_few.returncode != 0, too_few.describe()
+    assert "local rank 1 has none left: CUDA_VISIBLE_DEVICES lists 1" in (
+        too_few.launcher_stderr + too_few.output(1)), too_few.describe()
+    untouched = run_job([sys.executable, "-c", code], np=2, timeout=60,
+                        env={"CUDA_VISIBLE_DEVICES": "3,5"}).check()
+    assert all("GPUS 3,5" in untouched.output(r) for r in (0, 1)), untouched.describe()
+
+
 # --- output: whole lines, labels, chosen ranks, progress bars -------------------------
 
 LONG_LINES = r"""

@@ -41,8 +41,9 @@ class FakeStream:
         self.polls_until_done = polls_until_done
         self.events = []
 
-    def record(self):
-        event = FakeEvent(f"{self.name}#{len(self.events)}", self.polls_until_done)
+    def record(self, event=None):
+        if event is None:
+            event = FakeEvent(f"{self.name}#{len(self.events)}", self.polls_until_done)
         self.events.append(event)
         self.log.append(("record", self.name, event.name))
         return event
@@ -67,13 +68,14 @@ class FakeComm:
         self.log.append(("abort",))
 
 
-def _queue(polls_until_done=1, error_status=None, timeout=None, peers=(), error_after=0):
+def _queue(polls_until_done=1, error_status=None, timeout=None, peers=(), error_after=0,
+           **options):
     log = []
     side = FakeStream("side", log, ptr=1234, polls_until_done=polls_until_done)
     caller = FakeStream("caller", log, ptr=99)
     comm = FakeComm(log, error_status, error_after)
     waiter = Waiter(list(peers), 0, 0, timeout, "nccl")
-    queue = DeviceQueue(side, lambda: caller, comm, waiter, FakeNcclError, rank=0)
+    queue = DeviceQueue(side, lambda: caller, comm, waiter, FakeNcclError, rank=0, **options)
     return queue, log, comm, side
 
 
@@ -167,3 +169,45 @@ def test_failing_launch_aborts_and_raises():
                                              r"status 5\)"):
         queue.launch(launch, "broadcast")
     assert comm.aborts == 1 and side.events == []  # nothing recorded for a failed call
+
+
+def test_events_come_from_the_factory_where_given():
+    made = []
+
+    def new_event():  # cupy: Event(disable_timing=True)
+        made.append(FakeEvent(f"untimed#{len(made)}", 1))
+        return made[-1]
+
+    queue, log, _, _ = _queue(new_event=new_event)
+    queue.launch(lambda stream: None, "allreduce")
+    assert [entry[2] for entry in log if entry[0] == "record"] == ["untimed#0", "untimed#1"]
+    queue.complete("allreduce")
+    assert made[1].polls == 1
+
+
+def test_a_status_old_cupy_cannot_name_raises_as_that_status():
+    # cupy before 13.4 has no name for status 6: building its NcclError raises KeyError(6).
+    queue, _, comm, _ = _queue(polls_until_done=None)
+
+    def unnamed_remote_error():
+        raise KeyError(NCCL_REMOTE_ERROR)
+
+    comm.check_async_error = unnamed_remote_error
+    queue.launch(lambda stream: None, "allreduce")
+    with pytest.raises(PeerFailureError, match=r"status 6"):
+        queue.complete("allreduce")
+    assert comm.aborts == 1
+
+
+def test_an_interruption_aborts_and_raises_its_reason_at_the_wait_and_the_next_launch():
+    reasons = [None, None]
+    queue, log, comm, _ = _queue(polls_until_done=None, interrupted=lambda: reasons[-1])
+    queue.launch(lambda stream: None, "allreduce")
+    reasons.append("rank 1 called join()")
+    with pytest.raises(TransportError, match=r"allreduce cannot run on rank 0: rank 1 called "
+                                             r"join\(\)"):
+        queue.complete("allreduce")
+    assert comm.aborts == 1
+    with pytest.raises(TransportError, match="rank 1 called join"):
+        queue.launch(lambda stream: pytest.fail("launched after the interruption"), "next")
+    assert comm.aborts == 1

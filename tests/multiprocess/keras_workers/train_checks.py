@@ -334,6 +334,31 @@ def check_xla():
             assert "XLA-compiled step" in str(error), error
         else:
             raise AssertionError("jit_compile=True without a callback should fail clearly")
+        # A plain script on a GPU machine: Keras turns jit_compile="auto" on whenever
+        # TensorFlow sees a GPU (a stand-in GPU here). keras_dist turns it off for a
+        # model whose DistributedOptimizer reduces, and the step trains without XLA.
+        import tensorflow as tf
+
+        real = tf.config.list_physical_devices
+
+        def with_a_gpu(device_type=None):
+            devices = real(device_type)
+            if device_type in (None, "GPU"):
+                devices = [*devices, tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")]
+            return devices
+
+        model = mlp(4)
+        tf.config.list_physical_devices = with_a_gpu
+        try:
+            plain = mlp(4)
+            plain.compile(keras.optimizers.SGD(0.1), "mse")
+            assert plain.jit_compile, "Keras should turn XLA on where it sees a GPU"
+            model.compile(DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse")
+        finally:
+            tf.config.list_physical_devices = real
+        assert model.jit_compile is False
+        model.fit(x_local, y_local, batch_size=4, epochs=1, verbose=0)
+        same_on_every_rank(model.get_weights(), "weights of a plain fit where Keras saw a GPU")
 
 
 def check_save_and_resume():
