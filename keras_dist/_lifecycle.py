@@ -11,7 +11,7 @@ from keras_dist import process_sets as sets
 from keras_dist import transports
 from keras_dist._config import Config
 from keras_dist._runtime import context, jobstatus, timeline
-from keras_dist.tensor import gpu, outputs
+from keras_dist.tensor import gpu_memory, outputs
 
 
 def init(comm=None, process_sets=None) -> None:
@@ -56,7 +56,7 @@ def init(comm=None, process_sets=None) -> None:
             group.close()
             raise
         context.install(group)
-        gpu.leave_gpu_memory()
+        gpu_memory.leave_gpu_memory()
         jobstatus.record_start(group.rank)
         atexit.register(shutdown)
     if config.timeline_path:

@@ -17,6 +17,7 @@ plane and ``DistributedOptimizer``'s reduction for real.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -331,6 +332,20 @@ def section_versions() -> int:
 # nccl1: cupy, torch and JAX values through NCCL at one rank.
 
 
+def framework_case(kd, name, value, host, kd_op, op, pre, post, host_path, synchronize):
+    """One allreduce of a framework's GPU value at one rank, checked (``host_path``:
+    bfloat16 where cupy has none, which must take the host path)."""
+    before = counters()
+    got = kd.allreduce(value, op=kd_op, prescale_factor=pre, postscale_factor=post)
+    synchronize()
+    if hasattr(got, "block_until_ready"):
+        got.block_until_ready()
+    after = counters()
+    verify(name, got, value, reference([host], op, 1, pre, post), before, after,
+           min_gpu_allreduce=0 if host_path else 1, host_copies_expected=host_path,
+           note="(host path expected: cupy has no bfloat16)" if host_path else "")
+
+
 def section_nccl1() -> int:
     set_env(KERAS_BACKEND="torch", KERAS_DIST_SIZE_ONE_SHORTCUT="0",
             KERAS_DIST_GPU_OPERATIONS="nccl", XLA_PYTHON_CLIENT_PREALLOCATE="false")
@@ -381,17 +396,9 @@ def section_nccl1() -> int:
             for op, pre, post in CASES:
                 name = f"nccl1.torch.{dtype}.{op}.pre{pre:g}.post{post:g}"
 
-                def case(t=t, host=host, op=op, pre=pre, post=post, name=name,
-                         host_path=host_path):
-                    before = counters()
-                    got = kd.allreduce(t, op=ops[op], prescale_factor=pre, postscale_factor=post)
-                    torch.cuda.synchronize()
-                    after = counters()
-                    verify(name, got, t, reference([host], op, 1, pre, post), before, after,
-                           min_gpu_allreduce=0 if host_path else 1,
-                           host_copies_expected=host_path,
-                           note="(host path expected: cupy has no bfloat16)" if host_path else "")
-                attempt(name, case)
+                attempt(name, functools.partial(
+                    framework_case, kd, name, t, host, ops[op], op, pre, post, host_path,
+                    torch.cuda.synchronize))
         # grouped: several dtypes in one call, one fused bucket per dtype
         grouped = ["float32", "float16", "int32", "float32"] + (
             ["bfloat16"] if cupy_bfloat16 else [])
@@ -428,17 +435,9 @@ def section_nccl1() -> int:
             for op, pre, post in (CASES[0], CASES[2]):
                 name = f"nccl1.jax.{dtype}.{op}.pre{pre:g}.post{post:g}"
 
-                def case(x=x, host=host, op=op, pre=pre, post=post, name=name,
-                         host_path=host_path):
-                    before = counters()
-                    got = kd.allreduce(x, op=ops[op], prescale_factor=pre, postscale_factor=post)
-                    got.block_until_ready()
-                    after = counters()
-                    verify(name, got, x, reference([host], op, 1, pre, post), before, after,
-                           min_gpu_allreduce=0 if host_path else 1,
-                           host_copies_expected=host_path,
-                           note="(host path expected: cupy has no bfloat16)" if host_path else "")
-                attempt(name, case)
+                attempt(name, functools.partial(
+                    framework_case, kd, name, x, host, ops[op], op, pre, post, host_path,
+                    lambda: None))
     attempt("nccl1.jax", jax_cases)
     return finish("nccl1")
 

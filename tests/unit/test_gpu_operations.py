@@ -347,11 +347,11 @@ def test_cpu_transports_and_host_staging_serve_join():
 
 
 def test_init_sets_the_memory_settings_the_user_left_unset(monkeypatch):
-    from keras_dist.tensor import gpu
+    from keras_dist.tensor import gpu_memory
 
     monkeypatch.delenv("TF_FORCE_GPU_ALLOW_GROWTH", raising=False)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")  # the user's choice stays
-    gpu.leave_gpu_memory()
+    gpu_memory.leave_gpu_memory()
     import os
 
     assert os.environ["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
