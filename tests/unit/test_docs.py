@@ -1,0 +1,76 @@
+"""The README stays a newcomer's page, and no link of the docs points nowhere.
+
+The docs site itself is built by ``mkdocs build --strict`` in CI (``.ci/run``),
+not here: these checks need nothing beyond the standard library.
+"""
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+MAX_README_LINES = 330
+MNIST_COMMAND = ('python3 -m venv .venv && . .venv/bin/activate && pip install ".[tf-cpu,mpich]" '
+                 "&& kdrun -np 2 python examples/mnist/train.py")
+TEST_MARKER = "<!-- test-command -->"
+
+# [text](target) and ![alt](target), the target up to a space or the closing parenthesis.
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_FENCE = re.compile(r"^(```|~~~)")
+
+
+def _markdown_files():
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def _links(path):
+    """Every link target of a Markdown file, outside fenced code blocks and code spans."""
+    targets = []
+    in_fence = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if _FENCE.match(line.lstrip()):
+            in_fence = not in_fence
+            continue
+        if not in_fence:
+            targets += _LINK.findall(re.sub(r"`[^`]*`", "", line))
+    return targets
+
+
+def test_readme_is_short():
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= MAX_README_LINES, (
+        f"README.md must have at most {MAX_README_LINES} lines (move the rest to docs/). "
+        f"Received: {len(lines)} lines")
+
+
+def test_readme_keeps_the_two_fresh_machine_commands():
+    text = README.read_text(encoding="utf-8")
+    assert MNIST_COMMAND in text, "README.md lost the MNIST command for a fresh machine"
+    assert text.count(TEST_MARKER) == 1, f"README.md must hold {TEST_MARKER!r} exactly once"
+    after = text.split(TEST_MARKER, 1)[1]
+    # .ci/run takes the first ```bash block after the marker, verbatim.
+    block = re.search(r"^```bash\n(.*?)^```$", after, flags=re.M | re.S)
+    assert block is not None, f"no ```bash block after {TEST_MARKER!r} in README.md"
+    assert "pytest" in block[1] and "pip install" in block[1], block[1]
+
+
+def test_docs_exist():
+    assert (DOCS / "index.md").is_file()
+    assert (DOCS / "performance.md").is_file()
+    assert (ROOT / "mkdocs.yml").is_file()
+
+
+@pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_point_at_files_that_exist(path):
+    missing = []
+    for target in _links(path):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue  # a URL (https:, mailto:) or an anchor in the same page
+        file_part = target.split("#", 1)[0].split("?", 1)[0]
+        if not (path.parent / file_part).exists():
+            missing.append(target)
+    assert not missing, f"{path.relative_to(ROOT)} links to files that do not exist: {missing}"
