@@ -10,12 +10,21 @@ import sys
 from keras_dist import process_sets as sets
 from keras_dist import transports
 from keras_dist._config import Config
+from keras_dist._keras.callbacks import backup_and_restore
 from keras_dist._runtime import context, jobstatus, timeline
 from keras_dist.tensor import gpu_memory, outputs
 
 
 def init(comm=None, process_sets=None) -> None:
     """Initialises keras_dist; a second call does nothing.
+
+    Besides the process group, it changes two things outside keras_dist:
+    ``keras.callbacks.BackupAndRestore`` writes and restores through rank 0
+    on more than one rank (as ``keras_dist.callbacks.BackupAndRestore``), so a
+    plain ``fit`` script restarted by ``kdrun --max-restarts`` resumes in step
+    on every rank; and TensorFlow and JAX are told to leave GPU memory to the
+    GPU data plane where the user has not set it
+    (``keras_dist.tensor.gpu_memory``).
 
     Args:
         comm: an mpi4py communicator to run on. Defaults to ``MPI.COMM_WORLD``.
@@ -56,6 +65,7 @@ def init(comm=None, process_sets=None) -> None:
             group.close()
             raise
         context.install(group)
+        backup_and_restore.distribute_keras_class()
         gpu_memory.leave_gpu_memory()
         jobstatus.record_start(group.rank)
         atexit.register(shutdown)

@@ -4,6 +4,8 @@ tests/multiprocess/test_backup_and_restore.py)."""
 import inspect
 import json
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -92,3 +94,17 @@ def test_interrupted_fit_resumes_where_the_backup_left_off(tmp_path, backup_clas
     for actual, expected in zip(_state(model), _state(reference), strict=True):
         np.testing.assert_array_equal(actual, expected)
     assert not backup_dir.exists()
+
+
+def test_keras_class_is_changed_by_init_not_by_import():
+    code = (
+        "import keras, keras_dist as kd\n"
+        "from keras_dist._keras.callbacks.backup_and_restore import BackupAndRestore\n"
+        "ours = BackupAndRestore.__dict__['on_train_begin']\n"
+        "assert keras.callbacks.BackupAndRestore.on_train_begin is not ours\n"
+        "kd.init()\n"
+        "assert keras.callbacks.BackupAndRestore.on_train_begin is ours\n"
+        "print('CHANGED BY INIT')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=240, env={**os.environ, "KERAS_BACKEND": "jax"})
+    assert "CHANGED BY INIT" in result.stdout, result.stdout + result.stderr

@@ -1,12 +1,10 @@
 """BackupAndRestore: Keras' backup callback with one writer and one reader, rank 0.
 
-Keras' own ``keras.callbacks.BackupAndRestore`` gets the same behaviour once
-this module is imported (by ``keras_dist.callbacks`` and by the optimizer
-wrapper, which ``kd.load_model`` uses too; see ``distribute_keras_class`` at
-the end): on more than one rank its hooks are this class's,
-so a plain ``fit`` script restarted by ``kdrun --max-restarts`` resumes on
-every rank. With one rank, or before ``kd.init()``, both classes are Keras'
-callback exactly.
+Keras' own ``keras.callbacks.BackupAndRestore`` gets the same behaviour from
+``kd.init()``, which calls ``distribute_keras_class``: on more than one rank
+its hooks are this class's, so a plain ``fit`` script restarted by ``kdrun
+--max-restarts`` resumes on every rank. With one rank, or before
+``kd.init()``, both classes are Keras' callback exactly.
 """
 
 from __future__ import annotations
@@ -149,6 +147,3 @@ def distribute_keras_class() -> None:
     """
     for name in _KERAS_HOOKS:
         setattr(_KerasBackupAndRestore, name, BackupAndRestore.__dict__[name])
-
-
-distribute_keras_class()
