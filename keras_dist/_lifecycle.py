@@ -10,7 +10,6 @@ import sys
 from keras_dist import process_sets as sets
 from keras_dist import transports
 from keras_dist._config import Config
-from keras_dist._keras.callbacks import backup_and_restore
 from keras_dist._runtime import context, jobstatus, timeline
 from keras_dist.tensor import gpu_memory, outputs
 
@@ -22,7 +21,8 @@ def init(comm=None, process_sets=None) -> None:
     ``keras.callbacks.BackupAndRestore`` writes and restores through rank 0
     on more than one rank (as ``keras_dist.callbacks.BackupAndRestore``), so a
     plain ``fit`` script restarted by ``kdrun --max-restarts`` resumes in step
-    on every rank; and TensorFlow and JAX are told to leave GPU memory to the
+    on every rank (where Keras is not imported yet, keras_dist's Keras layer
+    does it when it is first imported); and TensorFlow and JAX are told to leave GPU memory to the
     GPU data plane where the user has not set it
     (``keras_dist.tensor.gpu_memory``).
 
@@ -65,7 +65,10 @@ def init(comm=None, process_sets=None) -> None:
             group.close()
             raise
         context.install(group)
-        backup_and_restore.distribute_keras_class()
+        if "keras" in sys.modules:  # else the Keras layer does it when first imported
+            from keras_dist._keras.callbacks import backup_and_restore
+
+            backup_and_restore.distribute_keras_class()
         gpu_memory.leave_gpu_memory()
         jobstatus.record_start(group.rank)
         atexit.register(shutdown)

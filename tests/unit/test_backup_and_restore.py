@@ -108,3 +108,18 @@ def test_keras_class_is_changed_by_init_not_by_import():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=240, env={**os.environ, "KERAS_BACKEND": "jax"})
     assert "CHANGED BY INIT" in result.stdout, result.stdout + result.stderr
+
+
+def test_keras_layer_imported_after_init_changes_keras_class():
+    code = (
+        "import keras_dist as kd, sys\n"
+        "kd.init()\n"
+        "assert 'keras' not in sys.modules  # kd.init() alone loads no framework\n"
+        "import keras\n"
+        "from keras_dist._keras.callbacks.backup_and_restore import BackupAndRestore\n"
+        "ours = BackupAndRestore.__dict__['on_train_begin']\n"
+        "assert keras.callbacks.BackupAndRestore.on_train_begin is ours\n"
+        "print('CHANGED ON IMPORT AFTER INIT')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=240, env={**os.environ, "KERAS_BACKEND": "jax"})
+    assert "CHANGED ON IMPORT AFTER INIT" in result.stdout, result.stdout + result.stderr
