@@ -57,12 +57,11 @@ def main() -> None:
     from keras_dist import _vocab
     from keras_dist._runtime import context
     from keras_dist.bench import train
-    from keras_dist.tensor import ops
 
     kd.init()
     rank, size = kd.rank(), kd.size()
-    transport = ops._one_call_transport(context.get())
-    if size < 2 or transport is None or transport.engine is None:
+    engine = context.get().transport.native_engine()
+    if size < 2 or engine is None:
         raise SystemExit("parts_floor.py needs 2 or more ranks on the shm transport")
     shapes = [tuple(w.shape) for w in train.build_model(args.model).trainable_weights]
     srcs = _arrays(shapes, rank)
@@ -88,7 +87,6 @@ def main() -> None:
                    for r in range(size)]
         regions[rank][:] = rank + 1.0
         code = _vocab.dtype_code(np.dtype(np.float32))
-        engine = transport.engine
 
         def parts():
             engine.allreduce_parts(srcs, dsts, code, _vocab.SUM, True, "parts_floor")

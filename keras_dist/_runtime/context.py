@@ -134,14 +134,22 @@ def topology(comm, config: Config) -> dict:
 
 
 def install(group: Group) -> None:
-    """Makes ``group`` the process group."""
+    """Makes ``group`` the process group, and hands its transport's native
+    engine (or None) to the native one-call collectives."""
     global _group
+    from keras_dist import _native
+
     _group = group
+    _native.set_dispatch_engine(group.transport.native_engine())
 
 
 def uninstall() -> Group | None:
-    """Forgets the process group and returns it (None when there was none)."""
+    """Forgets the process group and returns it (None when there was none);
+    the native one-call collectives stop using its engine first."""
     global _group
+    from keras_dist import _native
+
+    _native.set_dispatch_engine(None)
     group, _group = _group, None
     return group
 

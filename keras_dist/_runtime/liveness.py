@@ -16,25 +16,11 @@ import time
 import warnings
 from collections.abc import Callable
 
+# The engine's wait timings (native/src/wait_timings.h gives the reason behind
+# each): one table, the native extension's, for every wait.
+from keras_dist._native import WAIT_TIMINGS
 from keras_dist._runtime.procfs import process_alive
 from keras_dist.errors import CollectiveTimeoutError, PeerFailureError, StallWarning
-
-#: The engine's wait timings (native/src/wait_timings.h gives the measurement or
-#: reason behind each). Without the native extension, the same values:
-#: tests/unit/test_liveness.py checks they are equal when it is present.
-_FALLBACK_WAIT_TIMINGS = {
-    "spin_seconds": 2e-6,  # the engine polls without giving up the core
-    "python_spin_seconds": 50e-6,  # Python's waits do (their yield costs more)
-    "yield_seconds": 100e-6,  # then poll with time.sleep(0), until this long
-    "own_core_yield_seconds": 20e-3,  # (the engine's, when each local rank has a CPU)
-    "futex_wait_seconds": 5e-3,  # (the engine's longest futex sleep per round)
-    "poll_sleep_seconds": 2e-4,  # then sleep this long between polls
-    "liveness_seconds": 0.1,  # period of the liveness, stall and timeout checks
-}
-try:
-    from keras_dist._native import WAIT_TIMINGS
-except ImportError:
-    WAIT_TIMINGS = dict(_FALLBACK_WAIT_TIMINGS)
 
 
 class Waiter:

@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import glob
 import json
 import os
-import re
 import sys
 import threading
 import time
 from collections.abc import Sequence
 
 from keras_dist._runtime import context
+from keras_dist._runtime.timeline_parts import main, merge, part_path  # noqa: F401  (public here)
 
 _lock = threading.Lock()
 _local = threading.local()
@@ -86,11 +85,6 @@ class _Recorder:
 _recorder: _Recorder | None = None
 
 
-def part_path(path: str, rank: int) -> str:
-    """Where rank ``rank`` writes its events for the timeline ``path``."""
-    return f"{os.fspath(path)}.rank{rank}"
-
-
 def enabled() -> bool:
     """Whether this rank is recording."""
     return _recorder is not None
@@ -121,6 +115,9 @@ def start_timeline(path: str, mark_cycles: bool = False) -> None:
             raise ValueError("A timeline is already being recorded "
                              f"(to {_recorder.path!r}). Received: path={path!r}")
         _recorder = _Recorder(os.fspath(path), group.rank, group.size)
+        from keras_dist import _native
+
+        _native.set_dispatch_recording(True)
 
 
 def stop_timeline(summary: bool = True) -> None:
@@ -134,6 +131,9 @@ def stop_timeline(summary: bool = True) -> None:
         recorder, _recorder = _recorder, None
         if recorder is None:
             return
+        from keras_dist import _native
+
+        _native.set_dispatch_recording(False)
         recorder.close()
     if summary:
         print(recorder.summary(), file=sys.stderr, flush=True)
@@ -250,65 +250,6 @@ def record_step(label: str, start_ns: int, end_ns: int) -> None:
         recorder.span(label, "steps", start_ns, end_ns - start_ns)
         recorder.totals["steps"] += 1
         recorder.totals["step_s"] += (end_ns - start_ns) / 1e9
-
-
-# ---------------------------------------------------------------------------
-# Merging the parts.
-
-_PART = re.compile(r"\.rank(\d+)$")
-
-
-def merge(path: str) -> list[int]:
-    """Joins the parts ``<path>.rank<R>`` into one Chrome trace at ``path``.
-
-    Times start at the earliest event. A part cut short by a crash loses its
-    unfinished last line only. The parts are removed.
-
-    Returns:
-        The ranks whose parts were found, in order (empty: nothing written).
-    """
-    path = os.fspath(path)
-    parts = {}
-    for name in glob.glob(glob.escape(path) + ".rank*"):
-        found = _PART.search(name)
-        if found and name == part_path(path, int(found.group(1))):
-            parts[int(found.group(1))] = name
-    if not parts:
-        return []
-    events = []
-    for rank in sorted(parts):
-        with open(parts[rank]) as part:
-            for line in part:
-                try:
-                    events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break  # the last line of a rank that died while writing
-    origin = min((e["ts"] for e in events if "ts" in e), default=0)
-    for event in events:
-        if "ts" in event:
-            event["ts"] = (event["ts"] - origin) / 1000.0
-            event["dur"] = event["dur"] / 1000.0
-    tmp = f"{path}.merging"
-    with open(tmp, "w") as out:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, out)
-    os.replace(tmp, path)
-    for name in parts.values():
-        os.unlink(name)
-    return sorted(parts)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m keras_dist._runtime.timeline PATH``: merges a job's parts."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print("usage: python -m keras_dist._runtime.timeline PATH", file=sys.stderr)
-        return 2
-    ranks = merge(args[0])
-    if not ranks:
-        print(f"no timeline parts found for {args[0]!r} ({args[0]}.rank<R>)", file=sys.stderr)
-        return 1
-    print(f"{args[0]}: ranks {ranks}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def header_line() -> str:
 
 def _engine_call(collective: str, transport, x: np.ndarray):
     """The shm engine's one-call entry for ``collective`` of ``x``, or None."""
-    engine = getattr(transport, "engine", None)
+    engine = transport.native_engine()
     if engine is None:
         return None
     if collective == "allreduce":
@@ -147,7 +147,6 @@ def run(args: argparse.Namespace) -> int:
 
     rank, nranks = comm.Get_rank(), comm.Get_size()
     transport = kd._get().transport
-    shm = getattr(transport, "inner", transport)
     itemsize = np.dtype(args.dtype).itemsize
 
     def say(line: str = "") -> None:
@@ -175,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
             case = collectives._Case(argparse.Namespace(
                 collective=collective, dtype=args.dtype, op="sum", root=0, inplace=False),
                 comm, count)
-            engine = _engine_call(collective, shm, case.input)
+            engine = _engine_call(collective, transport, case.input)
             calls = [case.kd_call, case.mpi_call] + ([engine] if engine else [])
             seconds = collectives.time_alternating(calls, comm, args.iters, args.reps,
                                                    args.warmup)

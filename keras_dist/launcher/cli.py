@@ -352,9 +352,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _merge_timeline(path: str) -> None:
     """Joins the ranks' timeline parts into ``path`` (those on this machine)."""
-    from keras_dist._runtime import timeline
+    from keras_dist._runtime import timeline_parts
 
-    ranks = timeline.merge(path)
+    ranks = timeline_parts.merge(path)
     if ranks:
         _say(f"kdrun: timeline of ranks {_ranges(ranks)} written to {path}")
     elif os.path.exists(path):  # a job of one rank writes its trace itself

@@ -1,366 +1,66 @@
-"""Conversions between user values (numpy, Python scalars, Keras variables,
-TensorFlow tensors eager or symbolic, cupy arrays) and numpy buffers.
+"""The bridge between user values and the tensor layer's numpy functions.
 
-Framework-specific code of the tensor layer lives here: the collectives in
-``ops`` see numpy arrays only. ``run`` is the one bridge from a numpy
-function to TensorFlow: eager or graph execution, gradients, and the
-TensorFlow error classes a TF caller expects.
+The collectives in ``ops`` see numpy arrays only. ``run`` is the one bridge
+from a numpy function to TensorFlow (eager or graph execution, gradients,
+the TensorFlow error classes a TF caller expects), JAX and the device path.
+Beside it, each concern in its own module, re-exported here: what kind a
+value is and its numpy conversions (``kinds``), the TensorFlow error classes
+(``tf_errors``), the device path (``device_path``) and a traced step's
+outputs as one buffer (``graph_buffer``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from keras_dist.errors import CollectiveMismatchError
-from keras_dist.tensor import fusion
+from keras_dist.tensor import graph_buffer
 from keras_dist.tensor.counters import COUNTERS
-
-
-def is_tf(value) -> bool:
-    return type(value).__module__.startswith("tensorflow")
-
-
-def is_cupy(value) -> bool:
-    return type(value).__module__.startswith("cupy")
-
-
-def is_torch(value) -> bool:
-    return type(value).__module__.startswith("torch")
-
-
-def is_jax(value) -> bool:
-    return type(value).__module__.startswith(("jax", "jaxlib"))
-
-
-def _torch():
-    from keras_dist.tensor import torch_glue
-
-    return torch_glue
-
-
-def _jax():
-    from keras_dist.tensor import jax_glue
-
-    return jax_glue
-
-
-def _tf():
-    from keras_dist.tensor import tf_glue
-
-    return tf_glue
-
-
-def is_indexed_slices(value) -> bool:
-    """True for a TensorFlow ``IndexedSlices`` (a sparse gradient)."""
-    return type(value).__name__ == "IndexedSlices" and is_tf(value)
-
-
-def unwrap(value):
-    """A Keras variable becomes its backend value; anything else is returned."""
-    if type(value).__module__.startswith("keras") and hasattr(value, "value"):
-        return value.value
-    return value
-
-
-def dtype_of(value) -> np.dtype:
-    value = unwrap(value)
-    if is_tf(value):
-        return np.dtype(value.dtype.as_numpy_dtype)
-    if is_torch(value):
-        return _torch().numpy_dtype(value)
-    if hasattr(value, "dtype"):
-        return np.dtype(value.dtype)
-    return np.asarray(value).dtype
-
-
-def cast(value, dtype):
-    value = unwrap(value)
-    if is_tf(value):
-        import tensorflow as tf
-
-        return tf.cast(value, tf.as_dtype(dtype))
-    if is_cupy(value) or is_jax(value):
-        return value.astype(dtype)
-    if is_torch(value):
-        return _torch().cast(value, dtype)
-    return np.asarray(value).astype(dtype)
-
-
-def is_symbolic(value) -> bool:
-    if not is_tf(value):
-        return False
-    import tensorflow as tf
-
-    return not tf.executing_eagerly() or not hasattr(value, "numpy")
-
-
-def executing_eagerly() -> bool:
-    """False inside a ``tf.function`` or a TF1 graph; True without TensorFlow loaded."""
-    import sys
-
-    tf = sys.modules.get("tensorflow")
-    return tf is None or tf.executing_eagerly()
-
-
-def to_numpy(value) -> np.ndarray:
-    value = unwrap(value)
-    if is_tf(value):
-        return value.numpy()
-    if is_cupy(value):
-        COUNTERS["device_to_host"] += 1
-        return value.get()
-    if is_torch(value):
-        return _torch().to_numpy(value)
-    if is_jax(value):
-        return _jax().to_numpy(value)
-    array = np.asarray(value)
-    if array.dtype == object:
-        raise TypeError(
-            f"keras_dist collectives take numbers, arrays or tensors. Received: {type(value)}"
-        )
-    return array
-
-
-def like(template, array: np.ndarray):
-    """Returns ``array`` as the kind of value ``template`` is."""
-    template = unwrap(template)
-    if is_tf(template):
-        import tensorflow as tf
-
-        with tf.device(getattr(template, "device", None) or "/CPU:0"):
-            return tf.convert_to_tensor(array)
-    if is_cupy(template):
-        import cupy
-
-        with template.device:  # on the template's GPU, not the current one
-            return cupy.asarray(array)
-    if is_torch(template):
-        return _torch().like(template, array)
-    if is_jax(template):
-        return _jax().like(template, array)
-    if isinstance(template, np.ndarray):
-        return array
-    if np.ndim(template) == 0 and not isinstance(template, np.generic):
-        return array.item()  # a Python scalar in, a Python scalar out
-    return array[()] if array.ndim == 0 else array
-
-
-def _read(variable):
-    value = unwrap(variable)
-    read_value = getattr(value, "read_value", None)
-    return read_value() if callable(read_value) else value
-
-
-def assign_and_read(variables: Sequence, values: Sequence | None) -> list:
-    """Assigns ``values`` (None: nothing) to ``variables``; returns their values after.
-
-    In a graph the reads depend on the assignments, so evaluating a read
-    assigns first (TF1 graphs have no automatic ordering).
-    """
-    assignments = []
-    for variable, value in zip(variables, values or ()):
-        if is_tf(variable):  # a TF variable: its assign op, for the graph case
-            assignments.append(variable.assign(value, read_value=False))
-        else:  # a Keras variable converts and checks the value itself
-            variable.assign(value)
-    if executing_eagerly():
-        return [_read(v) for v in variables]
-    import tensorflow as tf
-
-    with tf.control_dependencies([a for a in assignments if a is not None]):
-        return [tf.identity(_read(v)) for v in variables]
-
-
-def after(values: Sequence):
-    """A context in which new TF ops run after ``values`` are computed.
-
-    Several collectives made by one call must run in the same order on every
-    rank; a TF1 graph, unlike eager code and ``tf.function``, would run
-    independent ops in any order. A no-op unless ``values`` are symbolic.
-    """
-    symbolic = [v for v in values if is_symbolic(v)]
-    if not symbolic:
-        return contextlib.nullcontext()
-    import tensorflow as tf
-
-    return tf.control_dependencies(symbolic)
-
-
-def group_op(values: Sequence):
-    """One TF op that evaluates ``values``."""
-    import tensorflow as tf
-
-    return tf.group(*values)
-
-
-# ---------------------------------------------------------------------------
-# TensorFlow error classes.
-#
-# A TF caller catches ``tf.errors.OpError`` subclasses: a mismatch between
-# ranks is a ``FailedPreconditionError``, a bad argument an
-# ``InvalidArgumentError``. Eagerly, keras_dist raises classes that are both
-# its own error and the TF one. Inside a graph, TF itself builds the error
-# from a status code when the step fails: ``numpy_function`` turns a Python
-# ``ValueError``/``TypeError`` into INVALID_ARGUMENT and a
-# ``NotImplementedError`` into UNIMPLEMENTED, but any other exception into
-# UNKNOWN, whatever its class. So a mismatch inside a graph leaves the numpy
-# function normally and hands its message to a ``ReadFile`` op: reading a
-# path below ``os.devnull`` fails with FAILED_PRECONDITION ("Not a
-# directory"), and the message travels as that path. When nothing failed the
-# status is ``os.devnull`` itself and the graph skips the read.
-
-_FAILURE_PREFIX = os.devnull + "/"
-_SUCCESS = np.bytes_(os.devnull.encode())
-# What a good step's numpy function returns as its status: TensorFlow passes
-# a 0-d object array of bytes through as it is, where a bytes scalar costs it
-# a second conversion (9 us a step, measured with FuncRegistry._convert).
-_SUCCESS_OUT = np.array(_SUCCESS, dtype=object)
-
-
-def _tf_error_class(error: BaseException):
-    """The TF ``OpError`` class matching ``error``, or None."""
-    import tensorflow as tf
-
-    if isinstance(error, CollectiveMismatchError):
-        return tf.errors.FailedPreconditionError
-    if isinstance(error, (ValueError, TypeError)):
-        return tf.errors.InvalidArgumentError
-    if isinstance(error, NotImplementedError):
-        return tf.errors.UnimplementedError
-    return None
-
-
-@functools.cache
-def _dual_class(error_class: type, tf_class: type) -> type:
-    """A class that is both ``error_class`` and ``tf_class``, named as ``error_class``."""
-
-    def __init__(self, message: str, state: dict) -> None:
-        tf_class.__init__(self, None, None, message)
-        self.args = (message,)
-        self.__dict__.update(state)
-
-    def __reduce__(self):  # travels as the keras_dist error alone
-        plain = error_class.__new__(error_class)
-        plain.args = self.args
-        plain.__dict__.update({k: v for k, v in vars(self).items() if not k.startswith("_")})
-        return plain.__reduce__()
-
-    return type(error_class.__name__, (error_class, tf_class), {
-        "__init__": __init__, "__reduce__": __reduce__,
-        "__module__": error_class.__module__, "__qualname__": error_class.__qualname__,
-        "__str__": BaseException.__str__,
-    })
-
-
-def as_tf_error(error: BaseException) -> BaseException:
-    """``error`` as an instance that is also the matching TF ``OpError``.
-
-    Errors with no TF counterpart, and those that already are one, are
-    returned as they are.
-    """
-    import tensorflow as tf
-
-    tf_class = _tf_error_class(error)
-    if tf_class is None or isinstance(error, tf.errors.OpError):
-        return error
-    state = {k: v for k, v in vars(error).items() if not k.startswith("_")}  # e.g. peer_rank
-    dual = _dual_class(type(error), tf_class)(str(error), state)
-    dual.__traceback__ = error.__traceback__
-    return dual
-
-
-def not_converted_by_autograph(function: Callable) -> Callable:
-    """Marks ``function`` so that a ``tf.function`` calls it as plain Python.
-
-    AutoGraph rewrites the Python code a ``tf.function`` calls, module by
-    module, unless told otherwise; keras_dist's own code builds its graph ops
-    itself and must run as written (a rewritten call can fail while tracing).
-    TF's ``do_not_convert`` decorator marks a function with this attribute;
-    setting it directly keeps TensorFlow out of this module's import.
-    """
-    function.autograph_info__ = frozenset()
-    return function
-
-
-def raising_tf_errors(function: Callable) -> Callable:
-    """Decorates a collective: when any argument is a TF value, its errors are
-    raised as ``as_tf_error`` makes them (checks made before ``run`` included).
-    The collective runs unconverted inside a ``tf.function``
-    (``not_converted_by_autograph``)."""
-
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        try:
-            return function(*args, **kwargs)
-        except (CollectiveMismatchError, ValueError, TypeError, NotImplementedError) as error:
-            if not _mentions_tf(args) and not _mentions_tf(kwargs.values()):
-                raise
-            raise as_tf_error(error) from error.__cause__
-
-    return not_converted_by_autograph(wrapper)
-
-
-def _mentions_tf(values) -> bool:
-    for value in values:
-        if isinstance(value, (list, tuple)):
-            if any(is_tf(unwrap(v)) for v in value):
-                return True
-        elif is_tf(unwrap(value)):
-            return True
-    return False
-
-
-# ---------------------------------------------------------------------------
-# The device path: GPU tensors handed over by DLPack, no host copy.
-#
-# Each framework's glue module (``torch_glue``, ``jax_glue``, ``tf_glue``) has
-# ``device_module(values)`` (cupy when the values can take the device path,
-# else None), ``device_scope(values, xp)`` (cupy's device and stream for
-# them), ``to_device_arrays(values, xp)`` and ``from_device_arrays(arrays,
-# templates, xp)``; where the framework needs a synchronisation, the last two
-# make it once per call. ``xp`` is cupy on a GPU; the CPU tests pass numpy.
-
-
-def device_path(values: Sequence):
-    """The glue module and array module for ``values`` on the device path, or None.
-
-    Eager values only, all of one framework (torch, JAX or TensorFlow), each
-    on a GPU, of a dtype the device path carries, with cupy importable.
-    """
-    if not values:
-        return None
-    if all(is_torch(v) for v in values):
-        glue = _torch()
-    elif all(is_jax(v) and not _jax().is_traced(v) for v in values):
-        glue = _jax()
-    elif all(is_tf(v) and not is_symbolic(v) for v in values):
-        glue = _tf()
-    else:
-        return None
-    xp = glue.device_module(values)
-    return None if xp is None else (glue, xp)
-
-
-def run_on_device(values: Sequence, device_fn: Callable[[list], list], glue, xp) -> list:
-    """``device_fn`` (device arrays in and out) on framework ``values``, by DLPack.
-
-    An output that is its input array comes back as the input value itself.
-    """
-    with glue.device_scope(values, xp):
-        arrays = glue.to_device_arrays(values, xp)
-        results = device_fn(arrays)
-        changed = [i for i, (r, a) in enumerate(zip(results, arrays)) if r is not a]
-        converted = glue.from_device_arrays([results[i] for i in changed],
-                                            [values[i] for i in changed], xp)
-    outputs = list(values)
-    for index, value in zip(changed, converted):
-        outputs[index] = value
-    return outputs
+from keras_dist.tensor.device_path import device_path, run_on_device
+from keras_dist.tensor.graph_buffer import BufferLayout
+from keras_dist.tensor.kinds import (
+    _jax,
+    _tf,
+    after,
+    assign_and_read,
+    cast,
+    dtype_of,
+    executing_eagerly,
+    group_op,
+    is_cupy,
+    is_indexed_slices,
+    is_jax,
+    is_symbolic,
+    is_tf,
+    is_torch,
+    like,
+    to_numpy,
+    unwrap,
+)
+from keras_dist.tensor.tf_errors import (
+    _FAILURE_PREFIX,
+    _SUCCESS,
+    _SUCCESS_OUT,
+    as_tf_error,
+    not_converted_by_autograph,
+    raising_tf_errors,
+)
+
+__all__ = [
+    "BufferLayout", "GradFn", "after", "as_tf_error", "assign_and_read", "cast", "device_path",
+    "dtype_of", "executing_eagerly", "group_op", "is_cupy", "is_indexed_slices", "is_jax",
+    "is_symbolic", "is_tf", "is_torch", "like", "not_converted_by_autograph",
+    "raising_tf_errors", "run", "run_on_device", "to_numpy", "unwrap",
+]
+
+# Looked up here when a step is traced (a benchmark swaps it).
+_buffer_layout = graph_buffer.buffer_layout
+_to_buffer = graph_buffer.to_buffer
+_from_buffer = graph_buffer.from_buffer
 
 
 # ---------------------------------------------------------------------------
@@ -408,8 +108,8 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
             take it, the others ``numpy_fn``).
         one_buffer: in a traced TF step (the ``numpy_function`` op), the
             outputs leave the op as one buffer, sliced apart in the graph
-            (``_buffer_layout``): TensorFlow's fixed cost per output of that
-            op is about 10 us. Cheapest when ``numpy_fn`` returns
+            (``_buffer_layout``): TensorFlow pays a fixed cost per output of
+            that op. Cheapest when ``numpy_fn`` returns
             ``fusion.aligned_like`` views; other arrays are copied into one.
         graph_kernel: in a traced TF step on the host (not the device path),
             builds the op itself from the symbolic inputs instead of the
@@ -578,78 +278,6 @@ def _func_graph_class() -> type:
     return FuncGraph
 
 
-#: Outputs up to this size leave a traced step's ``numpy_function`` in one
-#: buffer; larger ones alone. A slice of the buffer shares its memory (when it
-#: starts and ends on ``fusion.ALIGN_BYTES`` boundaries; else TensorFlow copies
-#: it), so the op that consumes it cannot take it over as its own output
-#: (TensorFlow's in-place forwarding needs the only reference) and allocates:
-#: measured in training, 0.3 ms a step more for the MLP's 2.7 MB of gradients
-#: all in the buffer than all alone. Small outputs gain the ~10 us TensorFlow
-#: spends per output of the op and lose next to nothing.
-_IN_BUFFER_MAX_BYTES = 64 << 10
-
-
-def _buffer_layout(dtypes: list, shapes: list) -> tuple | None:
-    """Which outputs of a traced step's ``numpy_function`` leave it in one
-    buffer laid out as ``fusion.aligned_like`` lays out arrays of these shapes
-    and dtypes: ``(offsets, total bytes, bytes, in_buffer flags, the buffer's
-    dtypes)``, or None (a shape unknown when tracing, or fewer than two
-    outputs would share). The buffer leaves the op once per dtype among the
-    outputs it holds (views of the same bytes), so that each output is a
-    slice and a reshape in the graph, without a bitcast."""
-    import tensorflow as tf
-
-    if not all(shape.is_fully_defined() for shape in shapes):
-        return None
-    nbytes = [shape.num_elements() * dtype.size for shape, dtype in zip(shapes, dtypes)]
-    offsets, total = fusion.aligned_offsets(nbytes)
-    numbers = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.int16, tf.int32,
-               tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64, tf.complex64,
-               tf.complex128)
-    in_buffer = [dtype in numbers and size <= _IN_BUFFER_MAX_BYTES
-                 for dtype, size in zip(dtypes, nbytes)]
-    if sum(in_buffer) < 2:
-        return None
-    buffer_dtypes = list(dict.fromkeys(d for d, inside in zip(dtypes, in_buffer) if inside))
-    return offsets, total, nbytes, in_buffer, buffer_dtypes
-
-
-def _to_buffer(results: list, layout: tuple) -> list:
-    """A numpy function's results as they leave the op: the buffer (``region``
-    of ``fusion.aligned_like`` views, else a copy of the results it holds) as
-    each of its dtypes, then the others."""
-    _, total, _, in_buffer, buffer_dtypes = layout
-    region = getattr(results, "region", None)
-    if region is None or region.nbytes != total:
-        views = fusion.aligned_like(results)
-        for view, result, inside in zip(views, results, in_buffer):
-            if inside:  # the others leave the op as they are
-                np.copyto(view, result)
-        region = views.region
-    return [*(region.view(dtype.as_numpy_dtype) for dtype in buffer_dtypes),
-            *(r for r, inside in zip(results, in_buffer) if not inside)]
-
-
-def _from_buffer(wire: list, layout: tuple, dtypes: list, shapes: list) -> list:
-    """The graph's outputs from what left the op (``_to_buffer``): slices of the
-    buffer, which share its memory where they start and end aligned."""
-    import tensorflow as tf
-
-    offsets, total, nbytes, in_buffer, buffer_dtypes = layout
-    typed = dict(zip(buffer_dtypes, wire))
-    for dtype, region in typed.items():
-        region.set_shape([total // dtype.size])
-    others = iter(wire[len(buffer_dtypes):])
-    outputs = []
-    for offset, size, inside, dtype, shape in zip(offsets, nbytes, in_buffer, dtypes, shapes):
-        if inside:
-            piece = tf.slice(typed[dtype], [offset // dtype.size], [size // dtype.size])
-            outputs.append(piece if shape.rank == 1 else tf.reshape(piece, shape))
-        else:
-            outputs.append(next(others))
-    return outputs
-
-
 def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | None,
               dtypes: list, device_fn: Callable | None = None,
               one_buffer: bool = False) -> list:
@@ -667,7 +295,8 @@ def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | N
               else [t.shape for t in _templates(tensors, len(dtypes))])
     layout = (_buffer_layout(dtypes, static) if one_buffer and device_fn is None else None)
     wire_dtypes = dtypes if layout is None else (
-        [*layout[4], *(d for d, inside in zip(dtypes, layout[3]) if not inside)])
+        [*layout.buffer_dtypes,
+         *(d for d, inside in zip(dtypes, layout.in_buffer) if not inside)])
 
     def reduce(inputs: list) -> list:
         if device_fn is None:

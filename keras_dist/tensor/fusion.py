@@ -78,7 +78,7 @@ def unpack(flat: np.ndarray, like: Sequence[np.ndarray], scale: float = 1.0,
 #: Where ``aligned_like`` starts each array: TensorFlow takes a numpy array
 #: returned by ``tf.numpy_function`` without copying it only when its data
 #: starts on a multiple of this (EIGEN_MAX_ALIGN_BYTES); otherwise it copies
-#: every output (measured: 2.7 MB of MLP gradients, ~0.3 ms a step).
+#: every output.
 ALIGN_BYTES = 64
 #: Grouped results from this size on come from ``outputs.POOL``: a training
 #: step's gradients have the same size every step, and a fresh buffer each step

@@ -240,7 +240,7 @@ def _in_order(values: Sequence, call: Callable) -> list:
 
 _TARGET = "keras_dist_allreduce"
 
-#: The plans (``_native.TfPlan``) traced calls of the handler name, kept while
+#: The plans (``_native.ReductionPlan``) traced calls of the handler name, kept while
 #: a compiled step may run them (until ``kd.shutdown``: ``forget_plans``).
 _PLANS: list = []
 
@@ -285,10 +285,9 @@ def _primitive():
     """The JAX primitive of a call of the handler, or None where this JAX lacks
     what it needs. Not ``jax.ffi.ffi_call(..., has_side_effect=True)``: that
     gives the step a JAX effect, and an effectful jitted function dispatches
-    through Python and tokens (45 us more a call for a 40-byte array, 120 us
-    for 2.8 MB, measured). Here the HLO call has the side effect, so XLA never
-    drops or merges it, JAX's dead-code pass keeps it all the same
-    (``dce_rules``), and the step stays on JAX's fast path."""
+    through Python and tokens on every call. Here the HLO call has the side
+    effect, so XLA never drops or merges it, JAX's dead-code pass keeps it
+    all the same (``dce_rules``), and the step stays on JAX's fast path."""
     try:
         from jax import ffi
         from jax.extend.core import Primitive
@@ -318,21 +317,14 @@ def _primitive():
     return primitive
 
 
-def native_allreduce(values: Sequence, engine, buckets: list, op_code: int, average: bool,
-                     fallback: Callable, record: Callable, prescale: float = 1.0,
-                     postscale: float = 1.0) -> list:
+def native_allreduce(values: Sequence, engine, reduction) -> list:
     """The allreduce of traced CPU values as one call of keras_dist's XLA FFI
     handler: each output is its input's buffer (input/output aliases),
     reduced in place by the shm engine with no Python on a good step; calls
-    run in the order traced (``_in_order``). The arguments after ``values``
-    are ``tf_kernel.allreduce``'s: the handler runs the same kind of plan
-    (``_native.TfPlan``)."""
-    from keras_dist import _native
-
+    run in the order traced (``_in_order``). The handler runs the native
+    plan TensorFlow's op runs (``reduction``, a ``native_plan.NativeReduction``)."""
     values = [jnp.asarray(v) for v in values]
-    nbytes = [v.size * v.dtype.itemsize for v in values]
-    plan = _native.TfPlan(engine, buckets, op_code, average, nbytes, fallback, record,
-                          prescale, postscale)
+    plan = reduction.native_plan(engine, [v.size * v.dtype.itemsize for v in values])
     _PLANS.append(plan)
     return _in_order(values, lambda previous: _primitive().bind(
         *values, *previous, plan=plan.id, count=len(values)))

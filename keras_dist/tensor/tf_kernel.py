@@ -12,7 +12,7 @@ from step to step. Nothing runs in Python on a good step but one count in ``COUN
 hand-over to Python (``benchmarks/tf_op_ab.py``).
 
 A bucket the engine raises on goes to the fallback ``ops`` gives for that
-bucket, in Python, as the numpy path does it (``ops._parts_mismatched``):
+bucket, in Python, as the numpy path does it (``allreduce_plans.parts_mismatched``):
 ranks that have joined, or an error (the op's status: a
 ``CollectiveMismatchError`` as FAILED_PRECONDITION, as on the numpy path).
 
@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from keras_dist import _config, _native
+from keras_dist.tensor.native_plan import NativeReduction
 
 _OP_LIBRARY = "_tf_ops.so"
 
@@ -112,7 +113,7 @@ def allreduce(tensors: Sequence, engine, buckets: list, op_code: int, average: b
         engine: the group's ``_native.ShmEngine``.
         buckets: ``[(indices into tensors, dtype code, name peers check)]``.
         op_code: the engine's op; ``average`` divides a sum by the group's size.
-        fallback: ``fallback(bucket, srcs, dsts, error)`` as ``_native.TfPlan`` calls it.
+        fallback: ``fallback(bucket, srcs, dsts, error)`` as ``_native.ReductionPlan`` calls it.
         record: ``record(start_ns, end_ns, wait_ns)`` while a timeline records.
         prescale, postscale: floating-point tensors only: each rank's input
             times ``prescale`` before the reduction, the result times
@@ -121,9 +122,14 @@ def allreduce(tensors: Sequence, engine, buckets: list, op_code: int, average: b
     Returns:
         The outputs, shaped as the inputs.
     """
+    return allreduce_planned(tensors, engine, NativeReduction(
+        buckets, op_code, average, fallback, record, prescale, postscale))
+
+
+def allreduce_planned(tensors: Sequence, engine, reduction: NativeReduction) -> list:
+    """``allreduce`` of ``tensors`` as ``reduction`` says, on ``engine``."""
     nbytes = [t.shape.num_elements() * t.dtype.size for t in tensors]
-    plan = _keep(_native.TfPlan(engine, buckets, op_code, average, nbytes, fallback, record,
-                                prescale, postscale))
+    plan = _keep(reduction.native_plan(engine, nbytes))
     outputs = library().keras_dist_allreduce(list(tensors), plan=plan.id,
                                              entry=_native.tf_entry_address())
     for output, tensor in zip(outputs, tensors):

@@ -24,9 +24,9 @@ def cpu_transport(config: Config, comm, local_comm, cross_comm, *,
 
     ``shm``: the shm transport when the group runs on one machine, the
     hierarchical one (shm inside each machine, MPI among them) when it spans
-    several. ``mpi``: the MPI transport. ``auto``: ``shm`` when the native
-    extension imports on every rank and some machine runs more than one rank,
-    else ``mpi``. Collective over ``comm``: every rank makes the same choice.
+    several. ``mpi``: the MPI transport. ``auto``: ``shm`` when some machine
+    runs more than one rank, else ``mpi``. Collective over ``comm``: every rank
+    makes the same choice.
 
     Args:
         config: the settings.
@@ -36,9 +36,6 @@ def cpu_transport(config: Config, comm, local_comm, cross_comm, *,
         rank_names: what messages call each rank of ``comm`` (its job rank,
             for a process set); defaults to its rank in ``comm``. The shm and
             MPI transports use them.
-
-    Raises:
-        TransportError: ``shm`` was asked for and the native extension is missing.
     """
     if comm.Get_size() == 1:
         from keras_dist.transports.local import LocalTransport
@@ -55,18 +52,11 @@ def _cpu_data_plane(config: Config, comm, local_comm, cross_comm,
     """The transport ``cpu_transport`` wraps: the choice it describes."""
     want = config.cpu_operations
     if want == "auto":
-        everyone = comm.allgather((local_comm.Get_size(), native_available()))
-        shared = any(local_size > 1 for local_size, _ in everyone)
-        want = "shm" if shared and all(native for _, native in everyone) else "mpi"
+        want = "shm" if any(size > 1 for size in comm.allgather(local_comm.Get_size())) else "mpi"
     if want == "mpi":
         from keras_dist.transports.mpi import MpiTransport
 
         return MpiTransport(comm, local_comm, config, rank_names=rank_names)
-    if not native_available():
-        raise TransportError(
-            "KERAS_DIST_CPU_OPERATIONS=shm needs the native extension keras_dist._native, "
-            "which failed to import. Reinstall keras_dist, or set KERAS_DIST_CPU_OPERATIONS=mpi."
-        )
     if local_comm.Get_size() == comm.Get_size():
         from keras_dist.transports.shm import ShmTransport
 
@@ -74,16 +64,6 @@ def _cpu_data_plane(config: Config, comm, local_comm, cross_comm,
     from keras_dist.transports.hierarchical import HierarchicalTransport
 
     return HierarchicalTransport(comm, local_comm, cross_comm, config)
-
-
-def native_available() -> bool:
-    """True when the native extension (and so the shm transport) imports."""
-    try:
-        from keras_dist import _native  # noqa: F401
-        from keras_dist.transports import shm  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def gpu_transport(group, device_id: int = 0) -> Transport:

@@ -3,12 +3,20 @@
 A transport moves flat, C-contiguous, one-dimensional numpy buffers. It knows
 nothing of tensors, Keras or fusion: the tensor layer (``ops.py``) hands it
 buffers and an op code from ``keras_dist._vocab``.
+
+Everything the tensor layer asks of a transport is declared here, with a
+default for transports that lack the capability: reducing a bucket without a
+fused buffer (``reduces_parts``, ``allreduce_parts``), going on after ranks
+joined (``allreduce_mismatched``, ``raise_mismatched``, ``join``), and the
+native engine the tensor layer may call directly (``native_engine``) with
+its errors' translation (``translate_native_error``).
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from typing import NoReturn
 
 import numpy as np
 
@@ -21,6 +29,9 @@ class Transport(abc.ABC):
     #: Whether the transport copies device buffers through host memory (a GPU
     #: data plane staged on a CPU transport); the tensor layer counts those copies.
     stages_through_host: bool = False
+    #: Whether ``allreduce_parts`` serves: the tensor layer then reduces an
+    #: unscaled bucket with it rather than packing a fused buffer.
+    reduces_parts: bool = False
 
     def __init__(self) -> None:
         self._scratch = np.empty(0, np.uint8)
@@ -36,6 +47,66 @@ class Transport(abc.ABC):
         input (1-D, like ``buf``, not overlapping it), and ``buf`` only
         receives the result: that saves the caller a copy.
         """
+
+    def allreduce_parts(self, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray], op: int,
+                        average: bool = False, name: str | None = None) -> None:
+        """Allreduce of ``srcs`` (arrays of one dtype) as one fused message into
+        ``dsts`` (arrays shaped like ``srcs``), without a fused buffer.
+
+        ``average`` turns a Sum into an Average (as ``_vocab.finishing_scale``).
+        Only where ``reduces_parts`` is true.
+        """
+        raise NotImplementedError(f"the {self.name or type(self).__name__} transport does not "
+                                  "reduce parts (reduces_parts is False)")
+
+    def allreduce_mismatched(self, error: Exception, send: np.ndarray, op: int,
+                             name: str | None) -> np.ndarray:
+        """The result of an allreduce of ``send`` whose call raised ``error`` (a
+        ``CollectiveMismatchError``), made on this transport or on its native
+        engine directly.
+
+        A transport that serves ``join`` runs the allreduce again with the
+        joined ranks' contribution where ranks have joined; the default
+        raises ``error``.
+        """
+        raise error
+
+    def raise_mismatched(self, error: Exception, kind: str, send: np.ndarray,
+                         name: str | None, root: int = -1) -> NoReturn:
+        """Raises for a ``kind`` collective ("broadcast", "allgather") of ``send``
+        whose call raised ``error`` (a ``CollectiveMismatchError``).
+
+        A transport that serves ``join`` first takes part in what every rank
+        does after a mismatch (and may raise why the call cannot go on); the
+        default raises ``error``.
+        """
+        raise error
+
+    def join(self) -> int:
+        """Waits, serving the other ranks' allreduces, until every rank has
+        joined; returns the rank (in the transport's numbering) that joined
+        last. The join layer (``joinable``) serves it."""
+        raise NotImplementedError(f"the {self.name or type(self).__name__} transport does not "
+                                  "serve join")
+
+    def translate_native_error(self, error: Exception) -> Exception:
+        """The keras_dist error (``keras_dist.errors``) for ``error``, which this
+        transport's native engine (``native_engine``) raised
+        (a ``keras_dist._native.EngineError``)."""
+        from keras_dist.errors import TransportError
+
+        return TransportError(str(error))
+
+    def native_engine(self):
+        """The native engine (``keras_dist._native.ShmEngine``) that runs this
+        transport's collectives among all of its ranks, or None.
+
+        The tensor layer calls it directly where it can (the one-call
+        collectives, the TensorFlow op, the XLA handler); its errors are the
+        native ones (``translate_native_error``). None for a transport
+        without one, and once the transport is closed.
+        """
+        return None
 
     @abc.abstractmethod
     def broadcast(self, buf: np.ndarray, root: int, name: str | None = None) -> None:

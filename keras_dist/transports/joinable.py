@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import NoReturn
 
 import numpy as np
 
@@ -93,6 +94,18 @@ class JoinableTransport(Transport):
     def __getattr__(self, attribute):
         return getattr(self.__dict__["inner"], attribute)
 
+    @property
+    def reduces_parts(self) -> bool:
+        return self.inner.reduces_parts
+
+    def native_engine(self):
+        """The wrapped transport's engine: its allreduces that raise a mismatch
+        go on here (``allreduce_mismatched``, ``raise_mismatched``)."""
+        return self.inner.native_engine()
+
+    def translate_native_error(self, error: Exception) -> Exception:
+        return self.inner.translate_native_error(error)
+
     def wait_seconds(self) -> float | None:
         return self.inner.wait_seconds()
 
@@ -135,8 +148,15 @@ class JoinableTransport(Transport):
         self.inner.allreduce(result, op, self._joined_name(record), send=saved)
         return result
 
+    def allreduce_parts(self, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray], op: int,
+                        average: bool = False, name: str | None = None) -> None:
+        """The wrapped transport's ``allreduce_parts``; a mismatch it raises is
+        the caller's to take to ``allreduce_mismatched`` (the sources are
+        still whole)."""
+        self.inner.allreduce_parts(srcs, dsts, op, average, name)
+
     def raise_mismatched(self, error: CollectiveMismatchError, kind: str, send: np.ndarray,
-                         name: str | None, root: int = -1) -> None:
+                         name: str | None, root: int = -1) -> NoReturn:
         """Raises for a ``kind`` collective ("broadcast", "allgather") of ``send`` whose
         call on the wrapped transport raised ``error``, after the exchange every rank
         makes (as ``broadcast`` and ``allgatherv`` do)."""

@@ -24,33 +24,9 @@ import numpy as np
 from keras_dist import _native, _vocab, errors
 from keras_dist._config import Config
 from keras_dist.transports.base import Transport
+from keras_dist.transports.engine_errors import NATIVE_ERRORS, translate
 
-NATIVE_ERRORS = (
-    _native.CollectiveMismatchError,
-    _native.PeerFailureError,
-    _native.CollectiveTimeoutError,
-    _native.TransportError,
-)
-
-
-# The peer a native PeerFailureError names after "<collective> on rank R: ": "rank P
-# (pid ...) died ...", "rank P (local rank L) aborted: ...", "rank P has shut down
-# keras_dist (left the group) ...", "cannot read the buffer of rank P ...". A bare
-# "local rank P" is not a rank of the job: no peer then.
-_PEER_RE = re.compile(r": (?:cannot read the buffer of )?rank (\d+) ")
-
-
-def translate(exc: Exception) -> errors.KerasDistError:
-    """The keras_dist error for a native engine error."""
-    if isinstance(exc, _native.CollectiveMismatchError):
-        return errors.CollectiveMismatchError(str(exc))
-    if isinstance(exc, _native.PeerFailureError):
-        found = _PEER_RE.search(str(exc))
-        return errors.PeerFailureError(str(exc), peer_rank=int(found[1]) if found else None)
-    if isinstance(exc, _native.CollectiveTimeoutError):
-        return errors.CollectiveTimeoutError(str(exc))
-    return errors.TransportError(str(exc))
-
+__all__ = ["NATIVE_ERRORS", "ShmTransport", "segment_name", "translate"]
 
 def segment_name(job_id: str | None) -> str:
     """``/kd-<uid>-<job>-<random>``: scoped to the user and job, not guessable."""
@@ -80,13 +56,14 @@ class ShmTransport(Transport):
     """
 
     name = "shm"
+    reduces_parts = True
 
     def __init__(self, comm, config: Config, *, group_ranks: Sequence[int] | None = None) -> None:
         super().__init__()
         from mpi4py import MPI
 
-        #: The native engine while the transport is open, else None (the tensor
-        #: layer's one-call paths call it directly).
+        #: The native engine while the transport is open, else None
+        #: (``native_engine``).
         self.engine = None
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         ranks = list(range(self.size)) if group_ranks is None else [int(r) for r in group_ranks]
@@ -159,13 +136,9 @@ class ShmTransport(Transport):
 
     def allreduce_parts(self, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray], op: int,
                         average: bool = False, name: str | None = None) -> None:
-        """Allreduce of ``srcs`` (arrays of one dtype) as one fused message into ``dsts``.
-
-        Without a fused buffer: the engine reads the sources in place and
-        writes the results straight into ``dsts`` (arrays shaped like
-        ``srcs``), a message larger than one shared buffer in windows.
-        ``average`` turns a Sum into an Average (as ``_vocab.finishing_scale``).
-        """
+        """As ``Transport.allreduce_parts``: the engine reads the sources in
+        place and writes the results straight into ``dsts``, a message larger
+        than one shared buffer in windows."""
         dtype = srcs[0].dtype
         code = self._codes.get(dtype.num)
         if code is None:
@@ -275,6 +248,12 @@ class ShmTransport(Transport):
             if view is not None:
                 return view
         return super().scratch(nbytes)
+
+    def native_engine(self):
+        return self.engine
+
+    def translate_native_error(self, error: Exception) -> Exception:
+        return translate(error)
 
     def wait_seconds(self) -> float | None:
         engine = self.engine

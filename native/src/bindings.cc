@@ -391,7 +391,7 @@ nb::object engine_scratch(nb::handle self, size_t nbytes) {
 // which makes every check and raises the errors.
 
 // Largest array served: beyond, the copy into the output costs about what the
-// Python path costs (7 us is 64 KiB at 10 GB/s), and the general path reads
+// Python path costs (benchmarks/ measures both), and the general path reads
 // the input in place.
 constexpr Py_ssize_t kArrayCallBytes = 64 << 10;
 
@@ -800,56 +800,33 @@ size_t fill_views(nb::list out, nb::handle raw, size_t align,
 
 // ---- The public calls' dispatch ---------------------------------------------
 // kd.allreduce / kd.broadcast / kd.allgather call these first, whatever `x`
-// is. They serve a numpy.ndarray (exactly) when the job's group runs on the
-// shm engine and no timeline records, through the entries above, counting the
-// call in keras_dist.tensor.ops.COUNTERS; otherwise, or when the entry cannot
-// serve the call, they return None and the caller takes its general path.
-// Looking up the group, the timeline and the engine here, rather than in
-// Python, keeps a small call's Python to the public function's own frame.
+// is. They serve a numpy.ndarray (exactly) when the runtime has registered
+// the job's shm engine (set_dispatch_engine) and no timeline records
+// (set_dispatch_recording), through the entries above, counting the call in
+// keras_dist.tensor.ops.COUNTERS; otherwise, or when the entry cannot serve
+// the call, they return None and the caller takes its general path. Python
+// hands over everything used here explicitly: nothing reads a Python
+// object's attributes, so a small call's Python stays in the public
+// function's own frame.
 struct Dispatch {
-  PyObject* context = nullptr;   // keras_dist._runtime.context's namespace
-  PyObject* timeline = nullptr;  // keras_dist._runtime.timeline's namespace
-  PyObject* transport_for = nullptr;  // group -> its shm transport, or None
   PyObject* counters = nullptr;  // keras_dist.tensor.ops.COUNTERS
   PyObject* ops[kNumPublicOps] = {};  // Average, Sum, Min, Max, Product
-  PyObject* group = nullptr;  // the group `transport` belongs to (a strong reference)
-  PyObject* transport = nullptr;  // its shm transport, or None (strong)
-  PyObject* key_group = nullptr;
-  PyObject* key_recorder = nullptr;
-  PyObject* key_engine = nullptr;
+  PyObject* engine = nullptr;  // the job's ShmEngine, or null (a strong reference)
+  bool recording = false;  // whether a timeline records (the general path records)
+  uint64_t served = 0;  // calls the entries served, for tests
   PyObject* key_allreduce = nullptr;
   PyObject* key_broadcast = nullptr;
   PyObject* key_allgather = nullptr;
 
-  // The engine to serve the job's calls now, or an invalid object.
-  nb::object engine() {
-    if (!context) return {};
-    PyObject* group_now = PyDict_GetItemWithError(context, key_group);  // borrowed
-    if (!group_now) {
-      if (PyErr_Occurred()) throw nb::python_error();
-      return {};
-    }
-    if (group_now != group) {
-      nb::object held = nb::borrow(group_now);  // alive through the Python call
-      PyObject* found = PyObject_CallOneArg(transport_for, held.ptr());
-      if (!found) throw nb::python_error();
-      Py_XSETREF(transport, found);
-      Py_XSETREF(group, held.release().ptr());
-    }
-    if (transport == Py_None) return {};
-    PyObject* recorder = PyDict_GetItemWithError(timeline, key_recorder);
-    if (recorder != Py_None) {
-      if (!recorder && PyErr_Occurred()) throw nb::python_error();
-      return {};  // recording: the general path records the call
-    }
-    nb::object engine = nb::steal(PyObject_GetAttr(transport, key_engine));
-    if (!engine.is_valid()) throw nb::python_error();
-    if (!nb::isinstance<kd::ShmEngine>(engine)) return {};  // None once closed
-    return engine;
+  // The engine to serve the job's calls now, or null.
+  kd::ShmEngine* serving_engine() const {
+    if (!engine || recording) return nullptr;
+    return nb::inst_ptr<kd::ShmEngine>(engine);
   }
 
   // Adds 1 to counters[key] (key: an interned str).
   void count(PyObject* key) {
+    if (!counters) return;
     PyObject* now = PyDict_GetItemWithError(counters, key);  // borrowed
     if (!now) {
       if (PyErr_Occurred()) throw nb::python_error();
@@ -866,12 +843,17 @@ struct Dispatch {
 
 // Used with the GIL held only; never destroyed (it holds references).
 Dispatch& dispatch() {
-  static Dispatch* d = new Dispatch();
+  static Dispatch* d = [] {
+    Dispatch* made = new Dispatch();
+    made->key_allreduce = PyUnicode_InternFromString("allreduce");
+    made->key_broadcast = PyUnicode_InternFromString("broadcast");
+    made->key_allgather = PyUnicode_InternFromString("allgather");
+    return made;
+  }();
   return *d;
 }
 
-void dispatch_setup(nb::dict context, nb::dict timeline, nb::callable transport_for,
-                    nb::dict counters, nb::tuple ops) {
+void dispatch_setup(nb::dict counters, nb::tuple ops) {
   if (ops.size() != size_t(kNumPublicOps)) {
     throw std::invalid_argument("dispatch_setup: `ops` must hold the 5 public ops");
   }
@@ -880,22 +862,24 @@ void dispatch_setup(nb::dict context, nb::dict timeline, nb::callable transport_
     Py_XINCREF(value.ptr());
     Py_XSETREF(slot, value.ptr());
   };
-  keep(d.context, context);
-  keep(d.timeline, timeline);
-  keep(d.transport_for, transport_for);
   keep(d.counters, counters);
   for (int i = 0; i < kNumPublicOps; ++i) keep(d.ops[i], ops[size_t(i)]);
-  Py_CLEAR(d.group);
-  Py_CLEAR(d.transport);
-  if (!d.key_group) {
-    d.key_group = PyUnicode_InternFromString("_group");
-    d.key_recorder = PyUnicode_InternFromString("_recorder");
-    d.key_engine = PyUnicode_InternFromString("engine");
-    d.key_allreduce = PyUnicode_InternFromString("allreduce");
-    d.key_broadcast = PyUnicode_InternFromString("broadcast");
-    d.key_allgather = PyUnicode_InternFromString("allgather");
-  }
 }
+
+void set_dispatch_engine(nb::handle engine) {
+  if (!engine.is_none() && !nb::isinstance<kd::ShmEngine>(engine)) {
+    throw nb::type_error(("set_dispatch_engine: `engine` must be a ShmEngine or None. "
+                          "Received: an object of type " +
+                          std::string(nb::type_name(engine.type()).c_str()))
+                             .c_str());
+  }
+  Dispatch& d = dispatch();
+  PyObject* held = engine.is_none() ? nullptr : engine.ptr();
+  Py_XINCREF(held);
+  Py_XSETREF(d.engine, held);
+}
+
+void set_dispatch_recording(bool recording) { dispatch().recording = recording; }
 
 bool is_plain_array(nb::handle x) { return Py_TYPE(x.ptr()) == &PyArray_Type; }
 
@@ -907,39 +891,50 @@ nb::object dispatch_allreduce(nb::handle x, nb::handle op, nb::handle label) {
     if (op.ptr() == d.ops[i]) index = i;
   }
   if (index < 0) return nb::none();  // another op, or not an op: the general path
-  nb::object engine = d.engine();
-  if (!engine.is_valid()) return nb::none();
-  nb::object out = engine_allreduce_array(*nb::inst_ptr<kd::ShmEngine>(engine), x, index, label);
-  if (!out.is_none()) d.count(d.key_allreduce);
+  kd::ShmEngine* engine = d.serving_engine();
+  if (!engine) return nb::none();
+  nb::object out = engine_allreduce_array(*engine, x, index, label);
+  if (!out.is_none()) {
+    d.count(d.key_allreduce);
+    ++d.served;
+  }
   return out;
 }
 
 nb::object dispatch_broadcast(nb::handle x, nb::handle root, nb::handle label) {
   if (!is_plain_array(x)) return nb::none();
   Dispatch& d = dispatch();
-  nb::object engine = d.engine();
-  if (!engine.is_valid()) return nb::none();
-  nb::object out = engine_broadcast_array(*nb::inst_ptr<kd::ShmEngine>(engine), x, root, label);
-  if (!out.is_none()) d.count(d.key_broadcast);
+  kd::ShmEngine* engine = d.serving_engine();
+  if (!engine) return nb::none();
+  nb::object out = engine_broadcast_array(*engine, x, root, label);
+  if (!out.is_none()) {
+    d.count(d.key_broadcast);
+    ++d.served;
+  }
   return out;
 }
 
 nb::object dispatch_allgather(nb::handle x, nb::handle label) {
   if (!is_plain_array(x)) return nb::none();
   Dispatch& d = dispatch();
-  nb::object engine = d.engine();
-  if (!engine.is_valid()) return nb::none();
-  nb::object out = engine_allgather_array(*nb::inst_ptr<kd::ShmEngine>(engine), x, label);
-  if (PyArray_Check(out.ptr())) d.count(d.key_allgather);
+  kd::ShmEngine* engine = d.serving_engine();
+  if (!engine) return nb::none();
+  nb::object out = engine_allgather_array(*engine, x, label);
+  if (PyArray_Check(out.ptr())) {
+    d.count(d.key_allgather);
+    ++d.served;
+  }
   return out;
 }
 
 
-// ---- The TensorFlow op's plans ----------------------------------------------
+// ---- The traced steps' plans (TensorFlow's ops, XLA's handler) -------------
 // A traced TensorFlow step's grouped allreduce runs as KerasDistAllreduce
-// (tf_kernel.cc), which hands its buffers to tf_allreduce_entry below with the
-// number of a plan made when the step was traced (keras_dist/tensor/tf_kernel.py):
-// the buckets keras_dist/tensor/ops.py `_allreduce_plan` made, each reduced by
+// (tf_kernel.cc), a jitted JAX step's as the XLA FFI handler (xla_handler.cc);
+// both hand their buffers to keras_dist_tf_allreduce_entry below with the
+// number of a ReductionPlan made when the step was traced
+// (keras_dist/tensor/native_plan.py): the buckets
+// keras_dist/tensor/allreduce_plans.py `allreduce_plan` made, each reduced by
 // ShmEngine::allreduce_parts straight from TensorFlow's inputs into its
 // outputs, with no Python. A bucket the engine raises on (ranks that have
 // joined, a mismatch, a failed peer) goes to the plan's Python `fallback`
@@ -950,12 +945,12 @@ nb::object dispatch_allgather(nb::handle x, nb::handle label) {
 // The Python classes of the engine's errors (set when the module loads).
 PyObject* g_error_types[4] = {};
 
-// What the TensorFlow ops' plans share: a number the op's attribute names
+// What the plans share: a number the op's attribute names
 // (a registry from it to the plan), the engine, the Python `fallback` and
 // `record`, and the conversion of the engine's errors to Python's.
-class TfPlanBase {
+class PlanBase {
  public:
-  TfPlanBase(nb::handle engine, nb::callable fallback, nb::callable record)
+  PlanBase(nb::handle engine, nb::callable fallback, nb::callable record)
       : engine_obj_(nb::borrow(engine)),
         engine_(engine_of(engine)),
         fallback_(std::move(fallback)),
@@ -964,12 +959,12 @@ class TfPlanBase {
     id_ = ++next_id();
     registry()[id_] = this;
   }
-  virtual ~TfPlanBase() {
+  virtual ~PlanBase() {
     std::lock_guard<std::mutex> lock(registry_mutex());
     registry().erase(id_);
   }
-  TfPlanBase(const TfPlanBase&) = delete;
-  TfPlanBase& operator=(const TfPlanBase&) = delete;
+  PlanBase(const PlanBase&) = delete;
+  PlanBase& operator=(const PlanBase&) = delete;
 
   int64_t id() const { return id_; }
 
@@ -986,7 +981,8 @@ class TfPlanBase {
 
   static kd::ShmEngine* engine_of(nb::handle engine) {
     if (!nb::isinstance<kd::ShmEngine>(engine)) {
-      throw nb::type_error(("TfPlan: `engine` must be a ShmEngine. Received: an object of type " +
+      throw nb::type_error(("a plan's `engine` must be a ShmEngine. Received: an object "
+                            "of type " +
                             std::string(nb::type_name(engine.type()).c_str()))
                                .c_str());
     }
@@ -1031,13 +1027,8 @@ class TfPlanBase {
   int finish(PyObject* key, size_t calls, Record&& record, std::string& message) {
     try {
       Dispatch& d = dispatch();
-      if (d.counters) {
-        for (size_t i = 0; i < calls; ++i) d.count(key);
-      }
-      PyObject* recorder = d.timeline ? PyDict_GetItemWithError(d.timeline, d.key_recorder)
-                                      : Py_None;
-      if (!recorder && PyErr_Occurred()) throw nb::python_error();
-      if (recorder && recorder != Py_None) record();
+      for (size_t i = 0; i < calls; ++i) d.count(key);
+      if (d.recording) record();
     } catch (const std::exception& e) {
       message = std::string("keras_dist: after the collective: ") + e.what();
       return kUnknown;
@@ -1063,8 +1054,8 @@ class TfPlanBase {
     static std::mutex* m = new std::mutex();
     return *m;
   }
-  static std::unordered_map<int64_t, TfPlanBase*>& registry() {
-    static auto* r = new std::unordered_map<int64_t, TfPlanBase*>();
+  static std::unordered_map<int64_t, PlanBase*>& registry() {
+    static auto* r = new std::unordered_map<int64_t, PlanBase*>();
     return *r;
   }
   static int64_t& next_id() {
@@ -1075,7 +1066,7 @@ class TfPlanBase {
   int64_t id_ = 0;
 };
 
-class TfPlan : public TfPlanBase {
+class ReductionPlan : public PlanBase {
  public:
   struct Bucket {
     std::vector<size_t> members;
@@ -1083,10 +1074,10 @@ class TfPlan : public TfPlanBase {
     std::string name;
   };
 
-  TfPlan(nb::handle engine, nb::list buckets, int op_code, bool average,
+  ReductionPlan(nb::handle engine, nb::list buckets, int op_code, bool average,
          std::vector<uint64_t> nbytes, nb::callable fallback, nb::callable record,
          double prescale, double postscale)
-      : TfPlanBase(engine, std::move(fallback), std::move(record)),
+      : PlanBase(engine, std::move(fallback), std::move(record)),
         op_(check_op(op_code)),
         average_(average),
         prescale_(prescale),
@@ -1097,7 +1088,7 @@ class TfPlan : public TfPlanBase {
           nb::cast<std::tuple<std::vector<size_t>, int, std::string>>(item);
       for (size_t i : members) {
         if (i >= nbytes_.size()) {
-          throw nb::value_error(("TfPlan: bucket member " + std::to_string(i) +
+          throw nb::value_error(("ReductionPlan: bucket member " + std::to_string(i) +
                                  " is past the plan's " + std::to_string(nbytes_.size()) +
                                  " tensors")
                                     .c_str());
@@ -1105,7 +1096,7 @@ class TfPlan : public TfPlanBase {
       }
       const kd::DType dtype = check_dtype(dtype_code);
       if ((prescale_ != 1.0 || postscale_ != 1.0) && !is_float(dtype)) {
-        throw nb::value_error(("TfPlan: scaling needs floating-point tensors. Received: "
+        throw nb::value_error(("ReductionPlan: scaling needs floating-point tensors. Received: "
                                "bucket \"" + name + "\" of dtype code " +
                                std::to_string(dtype_code) + " with prescale " +
                                std::to_string(prescale_) + ", postscale " +
@@ -1217,11 +1208,11 @@ class TfPlan : public TfPlanBase {
 // engine raises, fallback(i, headers, error) (headers: bytes as
 // dispatch_allgather returns them, or None; error: the engine's error as
 // Python's, or None) returns (code, message): the op fails with that status.
-class TfGatherPlan : public TfPlanBase {
+class TfGatherPlan : public PlanBase {
  public:
   TfGatherPlan(nb::handle engine, std::vector<std::string> names, std::vector<int> type_numbers,
                std::vector<size_t> itemsizes, nb::callable fallback, nb::callable record)
-      : TfPlanBase(engine, std::move(fallback), std::move(record)),
+      : PlanBase(engine, std::move(fallback), std::move(record)),
         names_(std::move(names)),
         type_numbers_(std::move(type_numbers)),
         itemsizes_(std::move(itemsizes)) {
@@ -1313,7 +1304,7 @@ extern "C" int keras_dist_tf_allreduce_entry(int64_t plan, int count, const void
                                              char* message, size_t message_bytes) {
   std::string text;
   int code = 0;
-  TfPlan* found = TfPlanBase::find<TfPlan>(plan);
+  ReductionPlan* found = PlanBase::find<ReductionPlan>(plan);
   if (!found) {
     text = "keras_dist: this traced step's allreduce plan is gone (the step was traced "
            "before keras_dist was shut down or initialised again): trace the step again";
@@ -1345,7 +1336,7 @@ extern "C" int keras_dist_tf_allgather_entry(int64_t plan, int count, const void
                                              size_t message_bytes) {
   std::string text;
   int code = 0;
-  TfGatherPlan* found = TfPlanBase::find<TfGatherPlan>(plan);
+  TfGatherPlan* found = PlanBase::find<TfGatherPlan>(plan);
   if (!found) {
     text = "keras_dist: this traced step's allgather plan is gone (the step was traced "
            "before keras_dist was shut down or initialised again): trace the step again";
@@ -1399,16 +1390,51 @@ NB_MODULE(_native, m) {
   timings["liveness_seconds"] = kd::kLivenessSeconds;
   m.attr("WAIT_TIMINGS") = timings;
 
+  // The tables Python shares with this module, for tests to check
+  // keras_dist/_vocab.py and keras_dist/tensor/gather_records.py against.
+  nb::dict dtype_codes;
+  dtype_codes["float16"] = int(kd::DType::kFloat16);
+  dtype_codes["bfloat16"] = int(kd::DType::kBFloat16);
+  dtype_codes["float32"] = int(kd::DType::kFloat32);
+  dtype_codes["float64"] = int(kd::DType::kFloat64);
+  dtype_codes["int32"] = int(kd::DType::kInt32);
+  dtype_codes["int64"] = int(kd::DType::kInt64);
+  dtype_codes["uint8"] = int(kd::DType::kUInt8);
+  dtype_codes["int8"] = int(kd::DType::kInt8);
+  dtype_codes["int16"] = int(kd::DType::kInt16);
+  dtype_codes["uint16"] = int(kd::DType::kUInt16);
+  m.attr("DTYPE_CODES") = dtype_codes;
+  nb::dict op_codes;
+  op_codes["sum"] = int(kd::Op::kSum);
+  op_codes["min"] = int(kd::Op::kMin);
+  op_codes["max"] = int(kd::Op::kMax);
+  op_codes["product"] = int(kd::Op::kProduct);
+  m.attr("OP_CODES") = op_codes;
+  nb::dict gather_record;
+  gather_record["max_dims"] = kGatherMaxDims;
+  gather_record["header_words"] = kGatherHeader;
+  gather_record["record_words"] = kGatherWords;
+  gather_record["inline_bytes"] = kGatherInline;
+  gather_record["record_bytes"] = kGatherRecord;
+  m.attr("GATHER_RECORD") = gather_record;
+
   m.def("fill_views", &fill_views, nb::arg("out"), nb::arg("raw"), nb::arg("align"),
         nb::arg("offsets"), nb::arg("templates"),
         "Appends to `out` one array per template (shape and dtype), viewing `raw` from its "
         "first `align`-aligned byte plus that offset; returns that first aligned byte's "
         "index in `raw`.");
-  m.def("dispatch_setup", &dispatch_setup, nb::arg("context"), nb::arg("timeline"),
-        nb::arg("transport_for"), nb::arg("counters"), nb::arg("ops"),
-        "Once, at keras_dist.tensor.ops' import: the namespaces of the context and "
-        "timeline modules, transport_for(group) (its shm transport or None), COUNTERS and "
-        "(Average, Sum, Min, Max, Product).");
+  m.def("dispatch_setup", &dispatch_setup, nb::arg("counters"), nb::arg("ops"),
+        "Once, at keras_dist.tensor.ops' import: COUNTERS (the entries count the calls "
+        "they serve there) and (Average, Sum, Min, Max, Product).");
+  m.def("set_dispatch_engine", &set_dispatch_engine, nb::arg("engine").none(),
+        "The runtime's handover: the ShmEngine that serves the job's one-call "
+        "collectives (its group installed), or None (no group, or one without an engine).");
+  m.def("set_dispatch_recording", &set_dispatch_recording, nb::arg("recording"),
+        "The timeline's handover: whether it records (then the one-call entries leave "
+        "every call to the general path, which records it, and the TensorFlow and XLA "
+        "plans call their `record`).");
+  m.def("dispatch_served", [] { return dispatch().served; },
+        "How many calls the one-call entries (dispatch_*) have served in this process.");
   m.def("dispatch_allreduce", &dispatch_allreduce, nb::arg("x").none(), nb::arg("op").none(),
         nb::arg("name").none(),
         "kd.allreduce(x, op, name) of a small numpy array through the job's shm engine, "
@@ -1419,17 +1445,23 @@ NB_MODULE(_native, m) {
         "kd.allgather's counterpart of dispatch_allreduce (bytes: the ranks' headers "
         "when they disagree).");
 
-  nb::exception<kd::MismatchError> mismatch(m, "CollectiveMismatchError");
-  nb::exception<kd::PeerFailureError> peer_failure(m, "PeerFailureError");
-  nb::exception<kd::TimeoutError> timeout(m, "CollectiveTimeoutError");
-  nb::exception<kd::TransportError> transport(m, "TransportError");
+  // The engine's errors share one base, so a caller catches them in one
+  // clause and translates them (keras_dist/transports/engine_errors.py).
+  nb::object engine_error = nb::steal(
+      PyErr_NewException("keras_dist._native.EngineError", PyExc_Exception, nullptr));
+  if (!engine_error.is_valid()) throw nb::python_error();
+  m.attr("EngineError") = engine_error;
+  nb::exception<kd::MismatchError> mismatch(m, "CollectiveMismatchError", engine_error);
+  nb::exception<kd::PeerFailureError> peer_failure(m, "PeerFailureError", engine_error);
+  nb::exception<kd::TimeoutError> timeout(m, "CollectiveTimeoutError", engine_error);
+  nb::exception<kd::TransportError> transport(m, "TransportError", engine_error);
   const nb::handle error_types[4] = {mismatch, peer_failure, timeout, transport};
   for (int i = 0; i < 4; ++i) g_error_types[i] = error_types[i].inc_ref().ptr();
 
-  nb::class_<TfPlan>(m, "TfPlan",
-                     "A traced TensorFlow step's grouped allreduce, for the KerasDistAllreduce "
-                     "op: its buckets [(member indices, dtype code, name)], the engine, the "
-                     "op and the tensors' sizes; fallback(bucket, srcs, dsts, error) serves "
+  nb::class_<ReductionPlan>(m, "ReductionPlan",
+                     "A traced step's grouped allreduce, for TensorFlow's KerasDistAllreduce "
+                     "op and the XLA FFI handler of a jitted JAX step: its buckets [(member "
+                     "indices, dtype code, name)], the engine, the op and the tensors' sizes; fallback(bucket, srcs, dsts, error) serves "
                      "what the engine cannot, record(start_ns, end_ns, wait_ns) a timeline. "
                      "Floating-point buckets may be scaled: each rank's input by prescale "
                      "before the reduction, the result by postscale after it.")
@@ -1438,7 +1470,8 @@ NB_MODULE(_native, m) {
            nb::arg("engine"), nb::arg("buckets"), nb::arg("op"), nb::arg("average"),
            nb::arg("nbytes"), nb::arg("fallback"), nb::arg("record"),
            nb::arg("prescale") = 1.0, nb::arg("postscale") = 1.0)
-      .def_prop_ro("id", [](const TfPlan& plan) { return plan.id(); });
+      .def_prop_ro("id", [](const ReductionPlan& plan) { return plan.id(); });
+  m.attr("TfPlan") = m.attr("ReductionPlan");  // its earlier name
   nb::class_<TfGatherPlan>(m, "TfGatherPlan",
                            "A traced TensorFlow step's allgathers, for the KerasDistAllgather "
                            "op: per tensor its name, numpy type number and item size; "

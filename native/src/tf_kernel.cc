@@ -175,9 +175,8 @@ size_t aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 // Memory the outputs that cannot reuse their inputs live in, one region per
 // step, reused once TensorFlow has released every output made in it. A fresh
-// TensorFlow allocation per step measured slower: the C library returns large freed
-// blocks to the system, and each step faulted its pages in again (about a
-// thousand page faults a step for a 2.7 MB model, +1-3 ms). `refs` counts the
+// TensorFlow allocation per step is slower: the C library returns large freed
+// blocks to the system, and each step faults its pages in again. `refs` counts the
 // outputs alive plus one for the pool; the last release frees the region.
 struct Region {
   uint8_t* data = nullptr;

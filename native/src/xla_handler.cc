@@ -10,8 +10,8 @@
 // the handler checks before reading a member.
 //
 // The handler does no collective work itself: its `plan` attribute names a
-// plan of keras_dist._native (the TensorFlow op's TfPlan: buckets, engine,
-// fallback, timeline), and it hands the plan the call's input and output
+// plan of keras_dist._native (a ReductionPlan, as the TensorFlow op runs:
+// buckets, engine, fallback, timeline), and it hands the plan the call's input and output
 // buffers through the entry the TensorFlow op uses
 // (keras_dist_tf_allreduce_entry, bindings.cc). Outputs alias their inputs
 // (the step's fresh gradients), so the allreduce runs in place.

@@ -301,11 +301,9 @@ def section_versions() -> int:
         return f"MPI {MPI.Get_version()} library {library!r}"
 
     def keras_dist_extra(keras_dist):
-        from keras_dist import transports
         from keras_dist.launcher.mpiexec import find_mpiexec
 
-        return (f"shm transport available: {transports.native_available()}, nccl_built="
-                f"{keras_dist.nccl_built()}, kdrun's mpiexec: {find_mpiexec()}, "
+        return (f"nccl_built={keras_dist.nccl_built()}, kdrun's mpiexec: {find_mpiexec()}, "
                 f"mpiexec on PATH: {shutil.which('mpiexec')}")
 
     def native():

@@ -51,7 +51,7 @@ def _values(seed: int) -> list[np.ndarray]:
 
 
 def _buckets(arrays) -> list:
-    """One bucket per dtype, as ``ops._allreduce_plan`` groups them."""
+    """One bucket per dtype, as ``allreduce_plans.allreduce_plan`` groups them."""
     by_dtype: dict = {}
     for i, a in enumerate(arrays):
         by_dtype.setdefault(a.dtype, []).append(i)
@@ -170,7 +170,6 @@ def test_a_step_whose_plan_is_gone_fails_and_says_why(engine):
 
 
 def test_a_timeline_records_the_call_when_one_records(engine, tmp_path):
-    from keras_dist._runtime import timeline
     from keras_dist.tensor import ops  # sets up the counters the entry adds to
 
     arrays = _values(4)
@@ -181,11 +180,11 @@ def test_a_timeline_records_the_call_when_one_records(engine, tmp_path):
     traced(*[tf.constant(a) for a in arrays])
     assert spans == []  # no timeline
     assert ops.COUNTERS["allreduce"] - before == len(_buckets(arrays))
-    timeline._recorder = object()  # what the entry reads: recording
+    _native.set_dispatch_recording(True)  # what the timeline hands over: recording
     try:
         traced(*[tf.constant(a) for a in arrays])
     finally:
-        timeline._recorder = None
+        _native.set_dispatch_recording(False)
     assert len(spans) == 1
     start, end, wait = spans[0]
     assert 0 < start <= end and 0 <= wait <= end - start
@@ -286,7 +285,6 @@ def test_an_allgather_engine_error_reaches_the_fallback_and_fails_the_step(engin
 
 
 def test_an_allgather_is_counted_and_recorded_with_its_bytes(engine):
-    from keras_dist._runtime import timeline
     from keras_dist.tensor import ops  # sets up the counters the entry adds to
 
     spans = []
@@ -297,11 +295,11 @@ def test_an_allgather_is_counted_and_recorded_with_its_bytes(engine):
     traced(*[tf.constant(a) for a in arrays])
     assert spans == []  # no timeline
     assert ops.COUNTERS["allgather"] - before == len(arrays)
-    timeline._recorder = object()  # what the entry reads: recording
+    _native.set_dispatch_recording(True)  # what the timeline hands over: recording
     try:
         traced(*[tf.constant(a) for a in arrays])
     finally:
-        timeline._recorder = None
+        _native.set_dispatch_recording(False)
     assert [(index, nbytes) for index, nbytes, *_ in spans] == [
         (i, a.nbytes) for i, a in enumerate(arrays)]
     for _, _, start, end, wait in spans:

@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_dist as kd
+from tests.multiprocess.workers._checks import run_checks
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -337,7 +338,6 @@ def test_a_timeline_records_each_allgather_with_its_bytes():
     assert by_name["rows indices"] == want[1].nbytes, by_name
 
 
-for check_name in [n for n in sorted(globals()) if n.startswith("test_")]:
-    globals()[check_name]()
-    kd.barrier()
-    print(f"TFOP {check_name} passed rank={RANK}", flush=True)
+# The agreement after each check (an allgather) also keeps the ranks in step between checks.
+run_checks([globals()[name] for name in sorted(globals()) if name.startswith("test_")],
+           rank=RANK, passed="TFOP {name} passed rank={rank}", agree=kd.allgather_object)
