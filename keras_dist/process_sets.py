@@ -30,9 +30,8 @@ import numbers
 from collections.abc import Iterable, Sequence
 
 from keras_dist import transports
-from keras_dist._runtime import context
+from keras_dist._runtime import context, process_groups
 from keras_dist._runtime.context import Group, RegisteredSet
-from keras_dist.errors import TransportError
 
 _HOW_TO_ENABLE = (
     "Set KERAS_DIST_DYNAMIC_PROCESS_SETS=1 (or HOROVOD_DYNAMIC_PROCESS_SETS=1) before "
@@ -371,17 +370,7 @@ def _ranks_here(job: Group, entry: ProcessSet) -> tuple[int, ...] | str:
     """The job ranks of ``entry`` as this rank sees them, or what is wrong."""
     if entry.mpi_comm is None:
         return tuple(entry.ranks)
-    from mpi4py import MPI
-
-    group, job_group = entry.mpi_comm.Get_group(), job.comm.Get_group()
-    try:
-        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), job_group)
-    finally:
-        group.Free()
-        job_group.Free()
-    if MPI.UNDEFINED in ranks:
-        return "its communicator holds processes outside the job's communicator"
-    return tuple(sorted(ranks))
+    return process_groups.job_ranks_of(job, entry.mpi_comm)
 
 
 def _init_table(job: Group, entries: Sequence[ProcessSet],
@@ -424,47 +413,6 @@ def _init_table(job: Group, entries: Sequence[ProcessSet],
 
 
 def _build(job: Group, table: Sequence[tuple[int, tuple[int, ...]]]) -> list[Group | None]:
-    """Makes each set's group on its members (None elsewhere).
-
-    Collective over the job: every rank takes part in each set's split of the
-    job's communicator; then the set's members make its topology and
-    transport among themselves (the transports raise on every member of a
-    set). A failure on any rank is raised on every rank, once what was made
-    is closed.
-    """
-    from mpi4py import MPI
-
-    groups: list[Group | None] = []
-    problem = None
-    for set_id, ranks in table:
-        member = job.rank in ranks
-        comm = job.comm.Split(0 if member else MPI.UNDEFINED, job.rank)
-        group = None
-        if member:
-            try:
-                group = _member_group(job, set_id, ranks, comm)
-            except Exception as exc:  # raised on every rank below
-                problem = problem or (f"process set {set_id} (ranks {list(ranks)}) on rank "
-                                      f"{job.rank}: {type(exc).__name__}: {exc}")
-        groups.append(group)
-    problems = [p for p in job.comm.allgather(problem) if p]
-    if problems:
-        for group in groups:
-            if group is not None:
-                group.close()
-        raise TransportError(f"Process sets could not be made: {'; '.join(problems)}")
-    return groups
-
-
-def _member_group(job: Group, set_id: int, ranks: tuple[int, ...], comm) -> Group:
-    """The group of a set on one of its members; collective over ``comm``."""
-    fields = context.topology(comm, job.config)
-    try:
-        transport = transports.cpu_transport(job.config, comm, fields["local_comm"],
-                                             fields["cross_comm"], rank_names=ranks)
-    except BaseException:
-        for made in (fields["cross_comm"], fields["local_comm"], comm):
-            made.Free()
-        raise
-    return Group(config=job.config, transport=transport, ranks=ranks,
-                 process_set_id=set_id, **fields)
+    """Each set's group on its members (None elsewhere), each with its own CPU
+    transport (``process_groups.make_groups``; collective over the job)."""
+    return process_groups.make_groups(job, table, transports.cpu_transport)
