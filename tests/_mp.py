@@ -120,12 +120,31 @@ def _block(title: str, text: str, limit: int = 20000) -> str:
     return f"----- {title}:\n{text}{'' if text.endswith(chr(10)) else chr(10)}"
 
 
+def _is_failed_check(line: str) -> bool:
+    return line.startswith("CHECK ") and (" FAILED rank=" in line or " NOT RUN rank=" in line)
+
+
+def failed_check_lines(result: JobResult) -> list[str]:
+    """Every rank's ``CHECK <name> FAILED|NOT RUN rank=R: ...`` line, in rank order."""
+    lines = [line for rank in sorted(result.rank_stdout)
+             for line in result.rank_stdout[rank].splitlines() if _is_failed_check(line)]
+    # without per_rank_output, kdrun labels the ranks' lines: "[1] CHECK ..."
+    labelled = (line.partition("] ")[2] for line in result.launcher_stdout.splitlines())
+    return lines + [line for line in labelled if _is_failed_check(line)]
+
+
 def format_job_output(result: JobResult) -> str:
     """Formats a job's exit status and every rank's stdout and stderr, separately."""
     state = "TIMED OUT, killed" if result.timed_out else "ended"
     parts = [
         f"\n===== kdrun job {state} with exit code {result.returncode} after "
         f"{result.duration:.1f}s\n      {' '.join(result.args)}\n",
+    ]
+    failed_checks = failed_check_lines(result)
+    if failed_checks:
+        parts.append(_block("failed checks, every rank (tests/multiprocess/workers/_checks.py)",
+                            "\n".join(failed_checks) + "\n"))
+    parts += [
         _block("kdrun/mpiexec stdout", result.launcher_stdout),
         _block("kdrun/mpiexec stderr", result.launcher_stderr),
     ]

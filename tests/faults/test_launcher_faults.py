@@ -3,7 +3,6 @@ signals to the launcher. Each time the job must end promptly (the hard
 timeouts here are the bound), non-zero, naming the rank, and leave no process
 and no shared-memory file behind."""
 
-import importlib.util
 import os
 import re
 import signal
@@ -24,16 +23,7 @@ JOB_TIMEOUT = 30
 
 pytestmark = pytest.mark.timeout(90)
 
-TRANSPORTS = [
-    "mpi",
-    pytest.param(
-        "shm",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("keras_dist.transports.shm") is None,
-            reason="no shm transport yet",
-        ),
-    ),
-]
+TRANSPORTS = ["mpi", "shm"]
 
 
 def _shm_used_by_ranks(result):
@@ -113,8 +103,7 @@ def test_exception_in_one_rank_ends_the_job(transport):
 
 @pytest.mark.parametrize(
     "transport, mode",
-    [("mpi", "kill_barrier"), ("mpi", "kill_allreduce"),
-     pytest.param("shm", "kill_allreduce", marks=TRANSPORTS[1].marks)],
+    [("mpi", "kill_barrier"), ("mpi", "kill_allreduce"), ("shm", "kill_allreduce")],
 )
 def test_killed_rank_is_named(transport, mode):
     result = _fault(mode, transport)
@@ -230,8 +219,6 @@ FIT_WORKER = str(Path(__file__).with_name("fit_worker.py"))
     [("mpi", "kill", 11), ("shm", "kill", 11), ("mpi", "raise", 5)],
 )
 def test_fault_in_the_middle_of_fit(transport, kind, step):
-    if transport == "shm" and importlib.util.find_spec("keras_dist.transports.shm") is None:
-        pytest.skip("no shm transport yet")
     result = run_job(
         [sys.executable, FIT_WORKER], np=2, timeout=120,
         env={"KERAS_DIST_CPU_OPERATIONS": transport, "FAULT_STEP": str(step),
@@ -264,7 +251,7 @@ def busy_cores():
 @pytest.mark.parametrize("attempt", range(3))
 @pytest.mark.parametrize(
     "transport, mode",
-    [("mpi", "kill_barrier"), pytest.param("shm", "kill_allreduce", marks=TRANSPORTS[1].marks)],
+    [("mpi", "kill_barrier"), ("shm", "kill_allreduce")],
 )
 def test_killed_rank_is_named_on_a_busy_machine(busy_cores, transport, mode, attempt):
     # Under load the exits of the dead rank and of those stopped after it reach

@@ -3,16 +3,13 @@
 Checks the rows and that every result was right; no timing is asserted.
 """
 
-import importlib.util
 import sys
 
 import pytest
 
 from tests._mp import run_job
 
-TRANSPORTS = ["mpi"]
-if importlib.util.find_spec("keras_dist.transports.shm") is not None:
-    TRANSPORTS.append("shm")
+TRANSPORTS = ["mpi", "shm"]
 
 
 @pytest.mark.timeout(200)

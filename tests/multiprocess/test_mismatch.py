@@ -9,13 +9,19 @@ SCENARIOS = ["shape", "same_count_other_shape", "dtype", "op", "grouped_count", 
              "root", "allgather_shape"]
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("transport", ["mpi", "shm"])
+@pytest.fixture(scope="module", params=["mpi", "shm"])
+def every_scenario(request):
+    """One 2-rank job per transport runs every scenario (workers/mismatch.py)."""
+    return run_job(["python", WORKER, *SCENARIOS], np=2, timeout=120,
+                   env={"KERAS_DIST_CPU_OPERATIONS": request.param,
+                        "KERAS_DIST_TIMEOUT_SECONDS": "30"})
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_mismatch_raises_on_every_rank(transport, scenario):
-    result = run_job(["python", WORKER, scenario], np=2, timeout=60,
-                     env={"KERAS_DIST_CPU_OPERATIONS": transport,
-                          "KERAS_DIST_TIMEOUT_SECONDS": "30"})
-    assert result.returncode == 0, result.describe()
+def test_mismatch_raises_on_every_rank(every_scenario, scenario):
+    result = every_scenario
     for rank in range(2):
-        assert f"MISMATCH rank={rank}" in result.output(rank), result.describe()
+        assert f"MISMATCH rank={rank} scenario={scenario}: " in result.output(rank), \
+            result.describe()
+    assert result.returncode == 0, result.describe()

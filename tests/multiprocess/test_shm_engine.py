@@ -17,9 +17,6 @@ import pytest
 
 from keras_dist.launcher.cleanup import cleanup_shm, shm_snapshot
 
-pytest.importorskip("keras_dist._native")
-pytest.importorskip("mpi4py")
-
 WORKER = os.path.join(os.path.dirname(__file__), "shm_engine_worker.py")
 MPIEXEC = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

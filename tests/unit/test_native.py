@@ -8,9 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from keras_dist import _native
 from keras_dist import _vocab as _dtypes
-
-_native = pytest.importorskip("keras_dist._native")
 
 DTYPES = {
     _dtypes.FLOAT16: np.dtype(np.float16),

@@ -261,7 +261,6 @@ def test_peer_failure_error_keeps_its_peer_through_pickling():
     ],
 )
 def test_native_peer_failures_name_their_peer(message, peer):
-    pytest.importorskip("keras_dist._native")
     from keras_dist import _native
     from keras_dist.transports import shm
 

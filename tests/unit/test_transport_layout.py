@@ -4,12 +4,8 @@ Both are pure functions of what every rank gathered, so every rank reaches the
 same verdict and raises the same error.
 """
 
-import pytest
-
-pytest.importorskip("keras_dist._native")
-
-from keras_dist.transports.hierarchical import _layout_problem  # noqa: E402
-from keras_dist.transports.shm import _membership_problem  # noqa: E402
+from keras_dist.transports.hierarchical import _layout_problem
+from keras_dist.transports.shm import _membership_problem
 
 
 def test_one_machine_in_communicator_order_is_accepted():

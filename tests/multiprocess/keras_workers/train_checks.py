@@ -35,6 +35,7 @@ from keras_dist import ops as kd_ops  # noqa: E402
 from keras_dist._keras.optimizer import DistributedOptimizer  # noqa: E402
 from keras_dist._keras.saving import load_model  # noqa: E402
 from keras_dist.data import shard  # noqa: E402
+from tests.multiprocess.workers._checks import run_checks  # noqa: E402
 
 kd.init()
 RANK, SIZE = kd.rank(), kd.size()
@@ -383,9 +384,8 @@ def check_save_and_resume():
     same_on_every_rank(restored.get_weights(), "resumed weights")
 
 
-for check in [check_exactness_and_collective_count, check_backward_passes,
-              check_options_on_one_step, check_callbacks, check_schedule_callback,
-              check_mixed_precision_overflow_on_one_rank, check_xla, check_save_and_resume]:
-    check()
-    print(f"{check.__name__} ok rank={RANK}", flush=True)
+run_checks([check_exactness_and_collective_count, check_backward_passes,
+            check_options_on_one_step, check_callbacks, check_schedule_callback,
+            check_mixed_precision_overflow_on_one_rank, check_xla, check_save_and_resume],
+           rank=RANK, passed="{name} ok rank={rank}", agree=kd.allgather_object)
 print(f"KERAS CHECKS OK rank={RANK} size={SIZE}", flush=True)

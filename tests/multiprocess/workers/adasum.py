@@ -18,6 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 
 import keras_dist as kd  # noqa: E402
+from tests.multiprocess.workers._checks import run_checks  # noqa: E402
 
 kd.init(process_sets="dynamic")
 RANK, SIZE = kd.rank(), kd.size()
@@ -200,7 +201,6 @@ if __name__ == "__main__":
         function for name, function in list(globals().items())
         if name.startswith("test_") and name != "test_not_power_of_2"
         and (chosen is None or name in chosen.split(","))]
-    for function in tests:
-        function()
-        print(f"ADASUM {function.__name__} passed rank={RANK}", flush=True)
+    run_checks(tests, rank=RANK, passed="ADASUM {name} passed rank={rank}",
+               agree=kd.allgather_object)
     print(f"ADASUM OK rank={RANK} size={SIZE}", flush=True)

@@ -19,6 +19,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
 
 import keras_dist as kd  # noqa: E402
+from tests.multiprocess.workers._checks import run_checks  # noqa: E402
 
 kd.init()
 RANK, SIZE = kd.rank(), kd.size()
@@ -409,9 +410,8 @@ def test_one_call_mismatch_raises_on_every_rank():
 
 
 if __name__ == "__main__":
-    for name, function in list(globals().items()):
-        if name.startswith("test_"):
-            function()
-            print(f"rank {RANK}: {name} passed", flush=True)
+    run_checks([function for name, function in list(globals().items())
+                if name.startswith("test_")],
+               rank=RANK, passed="rank {rank}: {name} passed", agree=kd.allgather_object)
     print(f"COLLECTIVES OK rank={RANK} size={SIZE} transport={kd._get().transport.name} "
           f"cross_size={kd.cross_size()}", flush=True)

@@ -4,7 +4,8 @@
 own ``__main__`` (its checks print their markers as when run alone), with
 keras_dist shut down in between, so that each suite's ``kd.init`` takes its
 own arguments. One start-up of Python, TensorFlow, Keras and MPI serves them
-all.
+all. A suite whose checks failed does not stop the next suite; the job then
+exits with status 1.
 """
 
 import os
@@ -26,6 +27,14 @@ HERE = Path(__file__).parent
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         raise SystemExit(f"usage: {sys.argv[0]} SUITE.py [SUITE.py ...]")
+    failed = []
     for suite in sys.argv[1:]:
-        runpy.run_path(str(HERE / suite), run_name="__main__")
+        try:
+            runpy.run_path(str(HERE / suite), run_name="__main__")
+        except SystemExit as stop:  # a suite's failed checks (workers/_checks.py)
+            if stop.code not in (None, 0):
+                failed.append(suite)
         kd.shutdown()
+    if failed:
+        print(f"SUITES FAILED: {', '.join(failed)}", flush=True)
+        sys.exit(1)

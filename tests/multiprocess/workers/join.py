@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 import keras_dist as kd
+from tests.multiprocess.workers._checks import run_checks
 
 kd.init()
 RANK, SIZE = kd.rank(), kd.size()
@@ -194,8 +195,7 @@ def test_fit_on_uneven_data():
 
 
 if __name__ == "__main__":
-    for name, function in list(globals().items()):
-        if name.startswith("test_"):
-            function()
-            print(f"JOIN {name} passed rank={RANK}", flush=True)
+    run_checks([function for name, function in list(globals().items())
+                if name.startswith("test_")],
+               rank=RANK, passed="JOIN {name} passed rank={rank}", agree=kd.allgather_object)
     print(f"JOIN OK rank={RANK} size={SIZE}", flush=True)

@@ -16,6 +16,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
 
 import keras_dist as kd  # noqa: E402
+from tests.multiprocess.workers._checks import run_checks  # noqa: E402
 
 kd.init()
 RANK, SIZE = kd.rank(), kd.size()
@@ -51,7 +52,6 @@ def test_best_model_checkpoint_saves_the_best_on_rank_0_only():
 
 
 if __name__ == "__main__":
-    for name, function in list(globals().items()):
-        if name.startswith("test_"):
-            function()
-            print(f"KERASAPI {name} passed rank={RANK}", flush=True)
+    run_checks([function for name, function in list(globals().items())
+                if name.startswith("test_")],
+               rank=RANK, passed="KERASAPI {name} passed rank={rank}", agree=kd.allgather_object)

@@ -1,8 +1,12 @@
 """Ranks call mismatched collectives on purpose; every rank must get an error.
 
-Usage: mismatch.py SCENARIO. Rank 0 and the other ranks disagree in the way the
-scenario names. Each rank prints "MISMATCH rank=R: <message>" when it gets the
-error, or "NO ERROR rank=R" (a failure) when the call returned.
+Usage: mismatch.py SCENARIO [SCENARIO ...] (or ``all``). Rank 0 and the other
+ranks disagree in the way each scenario names. For each scenario, each rank
+prints "MISMATCH rank=R scenario=S: <message>" when it gets the error, or
+"NO ERROR rank=R scenario=S" (a failure) when the call returned. Several
+scenarios run one after another in one job, as workers/_checks.py checks: the
+group stays usable after a mismatch (workers/recovery.py checks that), and
+the ranks agree on each outcome before the next scenario starts.
 """
 
 import sys
@@ -10,6 +14,7 @@ import sys
 import numpy as np
 
 import keras_dist as kd
+from tests.multiprocess.workers._checks import run_checks
 
 kd.init()
 RANK = kd.rank()
@@ -27,10 +32,23 @@ SCENARIOS = {
     "allgather_shape": lambda: kd.allgather(x.reshape(3, 4) if first else x.reshape(2, 6)),
 }
 
-try:
-    SCENARIOS[sys.argv[1]]()
-except (kd.CollectiveMismatchError, ValueError) as error:
-    print(f"MISMATCH rank={RANK}: {type(error).__name__}: {error}", flush=True)
-    sys.exit(0)
-print(f"NO ERROR rank={RANK}", flush=True)
-sys.exit(3)
+
+
+def scenario_check(scenario):
+    def check():
+        try:
+            SCENARIOS[scenario]()
+        except (kd.CollectiveMismatchError, ValueError) as error:
+            print(f"MISMATCH rank={RANK} scenario={scenario}: {type(error).__name__}: {error}",
+                  flush=True)
+            return
+        print(f"NO ERROR rank={RANK} scenario={scenario}", flush=True)
+        raise AssertionError(f"{scenario}: the mismatched call returned on rank {RANK}")
+
+    check.__name__ = scenario
+    return check
+
+
+chosen = list(SCENARIOS) if sys.argv[1:] == ["all"] else sys.argv[1:]
+run_checks([scenario_check(scenario) for scenario in chosen], rank=RANK,
+           agree=kd.allgather_object)

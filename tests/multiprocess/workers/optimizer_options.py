@@ -21,6 +21,7 @@ import keras  # noqa: E402
 import keras_dist as kd  # noqa: E402
 from keras_dist.data import shard  # noqa: E402
 from keras_dist.tensor.ops import COUNTERS  # noqa: E402
+from tests.multiprocess.workers._checks import run_checks  # noqa: E402
 
 kd.init(process_sets="dynamic")  # the process-set check adds its set
 RANK, SIZE = kd.rank(), kd.size()
@@ -238,7 +239,6 @@ def test_broadcast_callback_leaves_local_variables():
 
 
 if __name__ == "__main__":
-    for name, function in list(globals().items()):
-        if name.startswith("test_"):
-            function()
-            print(f"OPTOPTS {name} passed rank={RANK}", flush=True)
+    run_checks([function for name, function in list(globals().items())
+                if name.startswith("test_")],
+               rank=RANK, passed="OPTOPTS {name} passed rank={rank}", agree=kd.allgather_object)

@@ -22,6 +22,7 @@ from mpi4py import MPI
 import keras_dist as kd
 from keras_dist import process_sets
 from keras_dist._runtime import context
+from tests.multiprocess.workers._checks import run_checks
 
 MODE = sys.argv[1]
 WORLD = MPI.COMM_WORLD
@@ -346,9 +347,8 @@ CHECKS = {
 }
 CHECKS["env"] = CHECKS["dynamic"]
 
-for check in CHECKS[MODE]:
-    check()
-    print(f"PSETS {check.__name__} passed rank={RANK}", flush=True)
+run_checks(CHECKS[MODE], rank=RANK, passed="PSETS {name} passed rank={rank}",
+           agree=kd.allgather_object)
 kd.shutdown()
 assert mapped_segments() == [], mapped_segments()
 print(f"PSETS shutdown passed rank={RANK}", flush=True)

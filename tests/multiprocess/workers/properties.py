@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import keras_dist as kd
+from tests.multiprocess.workers._checks import run_checks
 
 kd.init()
 RANK, SIZE = kd.rank(), kd.size()
@@ -116,9 +117,8 @@ def test_unsupported_dtypes_are_type_errors(dtype):
 
 
 if __name__ == "__main__":
-    for name, function in list(globals().items()):
-        if name.startswith("test_"):
-            function()
-            print(f"rank {RANK}: {name} passed", flush=True)
+    run_checks([function for name, function in list(globals().items())
+                if name.startswith("test_")],
+               rank=RANK, passed="rank {rank}: {name} passed", agree=kd.allgather_object)
     print(f"PROPERTIES OK rank={RANK} size={SIZE}", flush=True)
     sys.exit(0)

@@ -20,6 +20,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
 
 import keras_dist as kd  # noqa: E402
+from tests.multiprocess.workers._checks import run_checks  # noqa: E402
 
 kd.init()
 RANK, SIZE = kd.rank(), kd.size()
@@ -183,8 +184,7 @@ def test_bad_arguments():
 
 
 if __name__ == "__main__":
-    for name, function in list(globals().items()):
-        if name.startswith("test_"):
-            function()
-            print(f"TAPE {name} passed rank={RANK}", flush=True)
+    run_checks([function for name, function in list(globals().items())
+                if name.startswith("test_")],
+               rank=RANK, passed="TAPE {name} passed rank={rank}", agree=kd.allgather_object)
     print(f"TAPE OK rank={RANK} size={SIZE}", flush=True)

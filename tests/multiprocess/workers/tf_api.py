@@ -19,6 +19,7 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import keras_dist as kd  # noqa: E402
+from tests.multiprocess.workers._checks import run_checks  # noqa: E402
 
 kd.init()
 RANK, SIZE = kd.rank(), kd.size()
@@ -396,8 +397,7 @@ def test_mismatches_are_failed_preconditions():
 
 
 if __name__ == "__main__":
-    for name, function in list(globals().items()):
-        if name.startswith("test_"):
-            function()
-            print(f"SUITE {name} passed rank={RANK}", flush=True)
+    run_checks([function for name, function in list(globals().items())
+                if name.startswith("test_")],
+               rank=RANK, passed="SUITE {name} passed rank={rank}", agree=kd.allgather_object)
     print(f"TF API OK rank={RANK} size={SIZE}", flush=True)
