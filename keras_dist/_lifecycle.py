@@ -21,10 +21,10 @@ def init(comm=None, process_sets=None) -> None:
     ``keras.callbacks.BackupAndRestore`` writes and restores through rank 0
     on more than one rank (as ``keras_dist.callbacks.BackupAndRestore``), so a
     plain ``fit`` script restarted by ``kdrun --max-restarts`` resumes in step
-    on every rank (where Keras is not imported yet, keras_dist's Keras layer
-    does it when it is first imported); and TensorFlow and JAX are told to leave GPU memory to the
-    GPU data plane where the user has not set it
-    (``keras_dist.tensor.gpu_memory``).
+    on every rank (where Keras is not loaded yet, keras_dist's optimizer
+    wrapper does it when it is first imported); and TensorFlow and JAX are
+    told to leave GPU memory to the GPU data plane where the user has not set
+    it (``keras_dist.tensor.gpu_memory``).
 
     Args:
         comm: an mpi4py communicator to run on. Defaults to ``MPI.COMM_WORLD``.
@@ -65,7 +65,7 @@ def init(comm=None, process_sets=None) -> None:
             group.close()
             raise
         context.install(group)
-        if "keras" in sys.modules:  # else the Keras layer does it when first imported
+        if "keras" in sys.modules:  # else backup_and_restore does it when imported
             from keras_dist._keras.callbacks import backup_and_restore
 
             backup_and_restore.distribute_keras_class()

@@ -16,16 +16,3 @@ def warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-
-def _distribute_keras_backup() -> None:
-    """Gives Keras' ``BackupAndRestore`` keras_dist's hooks where ``kd.init()``
-    ran before Keras was imported (``kd.init()`` does it otherwise)."""
-    from keras_dist._runtime import context
-
-    if context.is_initialized():
-        from keras_dist._keras.callbacks import backup_and_restore
-
-        backup_and_restore.distribute_keras_class()
-
-
-_distribute_keras_backup()

@@ -1,10 +1,12 @@
 """BackupAndRestore: Keras' backup callback with one writer and one reader, rank 0.
 
 Keras' own ``keras.callbacks.BackupAndRestore`` gets the same behaviour from
-``kd.init()``, which calls ``distribute_keras_class``: on more than one rank
-its hooks are this class's, so a plain ``fit`` script restarted by ``kdrun
---max-restarts`` resumes on every rank. With one rank, or before
-``kd.init()``, both classes are Keras' callback exactly.
+``kd.init()``, which calls ``distribute_keras_class`` (or, where Keras was
+not loaded at ``kd.init()``, from this module's import, which the optimizer
+wrapper makes): on more than one rank its hooks are this class's, so a plain
+``fit`` script restarted by ``kdrun --max-restarts`` resumes on every rank.
+With one rank, or before ``kd.init()``, both classes are Keras' callback
+exactly.
 """
 
 from __future__ import annotations
@@ -147,3 +149,7 @@ def distribute_keras_class() -> None:
     """
     for name in _KERAS_HOOKS:
         setattr(_KerasBackupAndRestore, name, BackupAndRestore.__dict__[name])
+
+
+if context.is_initialized():  # kd.init() ran before Keras was loaded
+    distribute_keras_class()
