@@ -89,13 +89,13 @@ _LAZY = {
     "SyncBatchNormalization": ("keras_dist._keras.sync_batch_norm", "SyncBatchNormalization"),
     "callbacks": ("keras_dist.callbacks", None),
     "elastic": ("keras_dist.elastic", None),
-    "size_op": ("keras_dist.tensor.tf_ops", "size_op"),
-    "rank_op": ("keras_dist.tensor.tf_ops", "rank_op"),
-    "local_size_op": ("keras_dist.tensor.tf_ops", "local_size_op"),
-    "local_rank_op": ("keras_dist.tensor.tf_ops", "local_rank_op"),
-    "broadcast_global_variables": ("keras_dist.tensor.tf_functions", "broadcast_global_variables"),
-    "process_set_included_op": ("keras_dist.tensor.tf_ops", "process_set_included_op"),
-    "broadcast_object_fn": ("keras_dist.tensor.tf_functions", "broadcast_object_fn"),
+    "size_op": ("keras_dist.tensor.tf.ops", "size_op"),
+    "rank_op": ("keras_dist.tensor.tf.ops", "rank_op"),
+    "local_size_op": ("keras_dist.tensor.tf.ops", "local_size_op"),
+    "local_rank_op": ("keras_dist.tensor.tf.ops", "local_rank_op"),
+    "broadcast_global_variables": ("keras_dist.tensor.tf.functions", "broadcast_global_variables"),
+    "process_set_included_op": ("keras_dist.tensor.tf.ops", "process_set_included_op"),
+    "broadcast_object_fn": ("keras_dist.tensor.tf.functions", "broadcast_object_fn"),
 }
 
 

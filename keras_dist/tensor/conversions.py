@@ -5,8 +5,8 @@ from a numpy function to TensorFlow (eager or graph execution, gradients,
 the TensorFlow error classes a TF caller expects), JAX and the device path.
 Beside it, each concern in its own module, re-exported here: what kind a
 value is and its numpy conversions (``kinds``), the TensorFlow error classes
-(``tf_errors``), the device path (``device_path``) and a traced step's
-outputs as one buffer (``graph_buffer``).
+(``tf.errors``), the device path (``device_path``) and a traced step's
+outputs as one buffer (``tf.graph_buffer``).
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from keras_dist.errors import CollectiveMismatchError
-from keras_dist.tensor import graph_buffer
 from keras_dist.tensor.counters import COUNTERS
 from keras_dist.tensor.device_path import device_path, run_on_device
-from keras_dist.tensor.graph_buffer import BufferLayout
 from keras_dist.tensor.kinds import (
     _jax,
     _tf,
@@ -41,7 +39,8 @@ from keras_dist.tensor.kinds import (
     to_numpy,
     unwrap,
 )
-from keras_dist.tensor.tf_errors import (
+from keras_dist.tensor.tf import graph_buffer
+from keras_dist.tensor.tf.errors import (
     _FAILURE_PREFIX,
     _SUCCESS,
     _SUCCESS_OUT,
@@ -49,6 +48,7 @@ from keras_dist.tensor.tf_errors import (
     not_converted_by_autograph,
     raising_tf_errors,
 )
+from keras_dist.tensor.tf.graph_buffer import BufferLayout
 
 __all__ = [
     "BufferLayout", "GradFn", "after", "as_tf_error", "assign_and_read", "cast", "device_path",
@@ -113,7 +113,7 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
             ``fusion.aligned_like`` views; other arrays are copied into one.
         graph_kernel: in a traced TF step on the host (not the device path),
             builds the op itself from the symbolic inputs instead of the
-            ``numpy_function`` op (``tf_kernel``), or returns None.
+            ``numpy_function`` op (``tf.kernel``), or returns None.
         in_place: what ``numpy_fn`` does, leaving each result in its input
             array (same shapes and dtypes); where given, a traced JAX step on
             the CPU takes it on the buffers XLA hands the callback, each
@@ -286,7 +286,7 @@ def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | N
     Without ``device_fn``: a ``tf.numpy_function`` (with ``one_buffer``, its
     outputs leave it as one buffer: ``_buffer_layout``). With it: a
     ``tf.py_function``, which hands the function TF tensors on the op's
-    device: on a GPU, they take ``device_fn`` by DLPack (``tf_glue`` says how
+    device: on a GPU, they take ``device_fn`` by DLPack (``tf.glue`` says how
     it is ordered against TensorFlow's stream); elsewhere ``numpy_fn``.
     """
     import tensorflow as tf

@@ -1,6 +1,6 @@
 """The device path: GPU tensors handed over by DLPack, no host copy.
 
-Each framework's glue module (``torch_glue``, ``jax_glue``, ``tf_glue``) has
+Each framework's glue module (``torch_glue``, ``jax_glue``, ``tf.glue``) has
 ``device_module(values)`` (cupy when the values can take the device path,
 else None), ``device_scope(values, xp)`` (cupy's device and stream for
 them), ``to_device_arrays(values, xp)`` and ``from_device_arrays(arrays,

@@ -4,7 +4,7 @@ TensorFlow numbers its GPUs logically: after Horovod's pinning recipe
 (``tf.config.set_visible_devices(gpus[local_rank], "GPU")``) the one GPU a
 rank sees is TensorFlow's ``GPU:0`` while its memory is on CUDA device
 ``local_rank``, and TensorFlow's capsules carry the logical number both
-ways. cupy takes a capsule's device number as a CUDA device, so ``tf_glue``
+ways. cupy takes a capsule's device number as a CUDA device, so ``tf.glue``
 rewrites it: to the CUDA device on the way to cupy, back to TensorFlow's
 number on the way back. The layout is DLPack's ABI (``dlpack.h``), stable
 since its first release: a capsule named ``dltensor`` holds a

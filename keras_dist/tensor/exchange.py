@@ -32,7 +32,7 @@ from keras_dist import _vocab
 from keras_dist._runtime import context, timeline
 from keras_dist._vocab import Average, ReduceOp
 from keras_dist.errors import CollectiveMismatchError
-from keras_dist.tensor import conversions, outputs, tf_ops
+from keras_dist.tensor import conversions, outputs
 from keras_dist.tensor.checks import check_byte_dtypes as _check_byte_dtypes
 from keras_dist.tensor.checks import check_dtypes as _check_dtypes
 from keras_dist.tensor.checks import check_op as _check_op
@@ -42,6 +42,7 @@ from keras_dist.tensor.counters import COUNTERS
 from keras_dist.tensor.gather_records import MAX_NDIM as _MAX_GATHER_NDIM
 from keras_dist.tensor.gather_records import dtype_name as _dtype_name
 from keras_dist.tensor.ops import _allreduce_arrays, allgather, allreduce
+from keras_dist.tensor.tf import ops as tf_ops
 
 # One value's description in a shape exchange: ndim, dtype number, shape.
 _DESCRIPTION = 2 + _MAX_GATHER_NDIM

@@ -3,7 +3,7 @@
 TensorFlow and JAX take a GPU's memory when they start using it (nearly all
 of it, and 75%), unless told otherwise; NCCL's communicator and keras_dist's
 fused buffers then find none. Each framework's glue says whether it started
-already (``tf_glue.memory_notice``, ``jax_glue.memory_notice``).
+already (``tf.glue.memory_notice``, ``jax_glue.memory_notice``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def leave_gpu_memory() -> list[str]:
         os.environ.setdefault(name, value)
     notices = []
     if "tensorflow" in sys.modules:
-        from keras_dist.tensor import tf_glue
+        from keras_dist.tensor.tf import glue as tf_glue
 
         notices.append(tf_glue.memory_notice(before["TF_FORCE_GPU_ALLOW_GROWTH"]))
     if "jax" in sys.modules:

@@ -43,7 +43,7 @@ def _jax():
 
 
 def _tf():
-    from keras_dist.tensor import tf_glue
+    from keras_dist.tensor.tf import glue as tf_glue
 
     return tf_glue
 

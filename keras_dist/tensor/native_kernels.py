@@ -1,7 +1,7 @@
 """The builders of the native kernels a traced step's collectives become.
 
 A traced TensorFlow step's grouped allreduce and allgathers run as
-keras_dist's own ops (``tf_kernel``), a jitted JAX step's allreduce as its XLA
+keras_dist's own ops (``tf.kernel``), a jitted JAX step's allreduce as its XLA
 FFI handler (``jax_glue``), on the group's native engine
 (``Transport.native_engine``), where the group and the call allow; each
 builder here returns None where they do not, and ``conversions.run`` takes
@@ -23,11 +23,11 @@ from keras_dist.tensor.native_plan import NativeReduction
 def graph_kernel(op: ReduceOp, prescale: float, postscale: float, label: str, group,
                  labels: list[str] | None, plain: bool):
     """For ``conversions.run``: the traced TF step's allreduce as keras_dist's own op
-    (``tf_kernel``), or None where the group or the call needs the numpy path
+    (``tf.kernel``), or None where the group or the call needs the numpy path
     (also a call not ``plain``: one that reduces otherwise, as Adasum does)."""
     if not plain:
         return None
-    from keras_dist.tensor import tf_kernel
+    from keras_dist.tensor.tf import kernel as tf_kernel
 
     # In a group of one rank nothing is reduced or counted: no op in the step
     # (a scaled call at size 1 takes the numpy path, which scales).
@@ -100,7 +100,7 @@ def native_reduction(transport, op: ReduceOp, prescale: float, postscale: float,
     Scaled (floating-point arrays only: ``natively_scaled``), the plan sums
     an ``Average`` and multiplies it by ``postscale / size`` after, as
     ``allreduce_plans.unpack_finished`` does."""
-    from keras_dist.tensor import tf_kernel
+    from keras_dist.tensor.tf import kernel as tf_kernel
 
     average = op is Average
     finish_op = op
@@ -142,7 +142,7 @@ def native_reduction(transport, op: ReduceOp, prescale: float, postscale: float,
 def allreduce_builder(transport, engine, op: ReduceOp, prescale: float, postscale: float,
                        label: str, group, labels: list[str] | None):
     """``graph_kernel``'s builder on ``engine``."""
-    from keras_dist.tensor import tf_kernel
+    from keras_dist.tensor.tf import kernel as tf_kernel
 
     def build(tensors: list) -> list | None:
         if not all(t.shape.is_fully_defined() for t in tensors) or tf_kernel.library() is None:
@@ -159,9 +159,9 @@ def allreduce_builder(transport, engine, op: ReduceOp, prescale: float, postscal
 
 def gather_kernel(names: list[str], group):
     """For ``conversions.run``: a traced TF step's allgathers of its inputs
-    (input i named ``names[i]``) as keras_dist's own op (``tf_kernel``), or
+    (input i named ``names[i]``) as keras_dist's own op (``tf.kernel``), or
     None where the group or the op library needs the numpy path."""
-    from keras_dist.tensor import tf_kernel
+    from keras_dist.tensor.tf import kernel as tf_kernel
 
     # In a group of one rank each rank's rows are the result: no op in the step.
     return kernel_for(group, tf_kernel.gathered_alone,
@@ -171,7 +171,7 @@ def gather_kernel(names: list[str], group):
 
 def gather_builder(transport, engine, names: list[str]):
     """``gather_kernel``'s builder on ``engine``."""
-    from keras_dist.tensor import tf_kernel
+    from keras_dist.tensor.tf import kernel as tf_kernel
 
     def build(tensors: list) -> list | None:
         if not tf_kernel.gathers() or any(

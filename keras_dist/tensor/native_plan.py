@@ -1,6 +1,6 @@
 """The record of a grouped allreduce that the native engine runs without Python.
 
-A traced TensorFlow step (``tf_kernel``, keras_dist's op) and a jitted JAX step
+A traced TensorFlow step (``tf.kernel``, keras_dist's op) and a jitted JAX step
 (``jax_glue``, keras_dist's XLA FFI handler) hand their buffers to the same
 native plan (``_native.ReductionPlan``). ``NativeReduction`` holds what the tensor
 layer decides for the call (``ops``); the op or the handler adds the engine

@@ -32,7 +32,6 @@ from keras_dist.tensor import (
     native_kernels,
     one_call,
     outputs,
-    tf_ops,
 )
 from keras_dist.tensor.compression import Compression
 from keras_dist.tensor.conversions import (
@@ -46,6 +45,7 @@ from keras_dist.tensor.conversions import (
     unwrap,
 )
 from keras_dist.tensor.counters import COUNTERS
+from keras_dist.tensor.tf import ops as tf_ops
 
 # ---------------------------------------------------------------------------
 # Numpy cores: flat buffers through the transport.
@@ -424,7 +424,7 @@ def gather_rows(values, indices, name: str | None = None, process_set=None) -> t
     """A sparse gradient's ``values`` and ``indices`` from every rank of
     ``process_set``: two allgathers (named ``"<name> values"`` and ``"<name>
     indices"``, or ``"allgather"``), in one op of keras_dist's in a traced TF
-    step where it serves the group (``tf_kernel``)."""
+    step where it serves the group (``tf.kernel``)."""
     names = [name and f"{name} values", name and f"{name} indices"]
     group = context.group_for(process_set)
     kernel = native_kernels.gather_kernel([n or "allgather" for n in names], group)

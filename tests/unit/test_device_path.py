@@ -25,7 +25,8 @@ jax = pytest.importorskip("jax", reason="needs jax (the test extra installs it)"
 tf = pytest.importorskip("tensorflow", reason="needs tensorflow (the test extra installs it)")
 jnp = jax.numpy
 
-from keras_dist.tensor import jax_glue, tf_glue, torch_glue  # noqa: E402
+from keras_dist.tensor import jax_glue, torch_glue  # noqa: E402
+from keras_dist.tensor.tf import glue as tf_glue  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,7 +13,7 @@ from keras_dist.tensor import dlpack
 
 tf = pytest.importorskip("tensorflow", reason="needs tensorflow (the test extra installs it)")
 
-from keras_dist.tensor import tf_glue  # noqa: E402
+from keras_dist.tensor.tf import glue as tf_glue  # noqa: E402
 
 
 def test_a_legacy_capsule_is_read_and_retargeted():

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from keras_dist import _native, _vocab  # noqa: E402
-from keras_dist.tensor import tf_kernel  # noqa: E402
+from keras_dist.tensor.tf import kernel as tf_kernel  # noqa: E402
 
 SHAPES_DTYPES = [((3, 5), np.float32), ((7,), np.float64), ((), np.float32), ((0,), np.float32),
                  ((33,), np.float16), ((4, 4), np.int32), ((300, 70), np.float32)]

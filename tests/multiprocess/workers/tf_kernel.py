@@ -105,7 +105,7 @@ def test_the_numpy_path_gives_the_same_bits():
 
 
 def test_fresh_inputs_are_reduced_in_place_and_inputs_read_elsewhere_are_kept():
-    from keras_dist.tensor import tf_kernel
+    from keras_dist.tensor.tf import kernel as tf_kernel
 
     @tf.function
     def fresh(xs):
