@@ -12,6 +12,7 @@ outputs as one buffer (``tf.graph_buffer``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
@@ -51,9 +52,9 @@ from keras_dist.tensor.tf.errors import (
 from keras_dist.tensor.tf.graph_buffer import BufferLayout
 
 __all__ = [
-    "BufferLayout", "GradFn", "after", "as_tf_error", "assign_and_read", "cast", "device_path",
-    "dtype_of", "executing_eagerly", "group_op", "is_cupy", "is_indexed_slices", "is_jax",
-    "is_symbolic", "is_tf", "is_torch", "like", "not_converted_by_autograph",
+    "BufferLayout", "Collective", "GradFn", "after", "as_tf_error", "assign_and_read", "cast",
+    "device_path", "dtype_of", "executing_eagerly", "group_op", "is_cupy", "is_indexed_slices",
+    "is_jax", "is_symbolic", "is_tf", "is_torch", "like", "not_converted_by_autograph",
     "raising_tf_errors", "run", "run_on_device", "to_numpy", "unwrap",
 ]
 
@@ -74,38 +75,32 @@ _from_buffer = graph_buffer.from_buffer
 GradFn = Callable[[list, list, list], list]
 
 
-def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray]],
-        name: str, shapes: Callable[[list], list] | None = None, grad: GradFn | None = None,
-        out_dtypes: Sequence | None = None,
-        device_fn: Callable[[list], list] | None = None, one_buffer: bool = False,
-        graph_kernel: Callable[[list], list | None] | None = None,
-        in_place: Callable[[list], None] | None = None,
-        xla_kernel: Callable[[list], list | None] | None = None) -> list:
-    """Applies ``numpy_fn`` to ``values``; TF values get a TF op, with a gradient.
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """A collective's ways of running, for ``run``: its numpy function, and
+    what else each execution context may take instead or beside it.
 
-    Eager values are converted to numpy and back (each output as the kind of
-    value of the input at its position, or of the first input). Symbolic TF
-    values (a ``tf.function`` or a TF1 graph) get one stateful
-    ``tf.numpy_function`` op for the whole list, so the collective runs once
-    per step, in program order.
+    Only ``numpy_fn`` and ``name`` are required; each other field, where
+    left at its default, is not used.
 
-    Args:
-        values: the inputs (any kind ``to_numpy`` takes).
+    Attributes:
         numpy_fn: numpy arrays in, numpy arrays out.
         name: the collective, for the op's name.
         shapes: the static shapes of the outputs from the list of the inputs'
             ``tf.TensorShape`` (default: each output shaped as its input).
-        grad: makes the op differentiable with TensorFlow (tapes,
-            ``tf.gradients``); see ``GradFn``.
         out_dtypes: the outputs' dtypes (default: the inputs' dtypes, one
             output per input).
+        grad: makes the op differentiable with TensorFlow (tapes,
+            ``tf.gradients``); see ``GradFn``.
         device_fn: what ``numpy_fn`` does, on device arrays (cupy), same
             shapes and dtypes out; where given, GPU values take it without a
             host copy: eager torch, JAX and TF GPU tensors
             (``device_path``), JAX inside ``jax.jit`` on a GPU (a buffer
             callback), TF inside a ``tf.function`` when TensorFlow sees a GPU
             and cupy imports (a ``tf.py_function`` op whose tensors on a GPU
-            take it, the others ``numpy_fn``).
+            take it, the others ``numpy_fn``). Used only where each output
+            is shaped and typed as its input (``shapes`` and ``out_dtypes``
+            not given).
         one_buffer: in a traced TF step (the ``numpy_function`` op), the
             outputs leave the op as one buffer, sliced apart in the graph
             (``_buffer_layout``): TensorFlow pays a fixed cost per output of
@@ -117,11 +112,48 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
         in_place: what ``numpy_fn`` does, leaving each result in its input
             array (same shapes and dtypes); where given, a traced JAX step on
             the CPU takes it on the buffers XLA hands the callback, each
-            output the buffer of its input (``jax_glue.run_traced``).
+            output the buffer of its input (``jax_glue.run_traced``). Used
+            only where each output is shaped and typed as its input.
         xla_kernel: in a traced JAX step on the CPU, builds the step's call of
             keras_dist's XLA FFI handler from the traced inputs (outputs shaped
             and typed as the inputs) instead of the buffer callback, or
-            returns None.
+            returns None. Used only where each output is shaped and typed as
+            its input.
+    """
+
+    numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray]]
+    name: str
+    shapes: Callable[[list], list] | None = None
+    out_dtypes: Sequence | None = None
+    grad: GradFn | None = None
+    device_fn: Callable[[list], list] | None = None
+    one_buffer: bool = False
+    graph_kernel: Callable[[list], list | None] | None = None
+    in_place: Callable[[list], None] | None = None
+    xla_kernel: Callable[[list], list | None] | None = None
+
+    @property
+    def outputs_like_inputs(self) -> bool:
+        """True when each output is shaped and typed as its input (neither
+        ``shapes`` nor ``out_dtypes`` given): only then do ``device_fn``,
+        ``in_place`` and ``xla_kernel`` serve."""
+        return self.shapes is None and self.out_dtypes is None
+
+
+def run(values: Sequence, collective: Collective) -> list:
+    """Applies ``collective.numpy_fn`` to ``values``; TF values get a TF op,
+    with a gradient.
+
+    Eager values are converted to numpy and back (each output as the kind of
+    value of the input at its position, or of the first input). Symbolic TF
+    values (a ``tf.function`` or a TF1 graph) get one stateful
+    ``tf.numpy_function`` op for the whole list, so the collective runs once
+    per step, in program order. ``Collective`` says which of its other ways
+    of running each context takes.
+
+    Args:
+        values: the inputs (any kind ``to_numpy`` takes).
+        collective: the collective's ways of running.
 
     Returns:
         The outputs as a list.
@@ -133,38 +165,33 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
     """
     values = [unwrap(v) for v in values]
     if any(is_jax(v) and _jax().is_traced(v) for v in values):
-        same_shapes = shapes is None and (out_dtypes is None or len(out_dtypes) == len(values))
-        same_outputs = same_shapes and out_dtypes is None
-        return _jax().run_traced(values, numpy_fn, name, out_dtypes, same_shapes,
-                                 device_fn if same_shapes else None,
-                                 in_place if same_outputs else None,
-                                 xla_kernel if same_outputs else None)
-    same_outputs = shapes is None and out_dtypes is None
+        return _jax().run_traced(values, collective)
+    numpy_fn = collective.numpy_fn
+    on_device = collective.device_fn if collective.outputs_like_inputs else None
     if not any(is_tf(v) for v in values):
-        path = device_path(values) if device_fn is not None and same_outputs else None
+        path = device_path(values) if on_device is not None else None
         if path is not None:
-            return run_on_device(values, device_fn, *path)
+            return run_on_device(values, on_device, *path)
         arrays = numpy_fn([to_numpy(v) for v in values])
         return [like(values[min(i, len(values) - 1)], a) for i, a in enumerate(arrays)]
     import tensorflow as tf
 
     tensors = [tf.convert_to_tensor(v) for v in values]
-    dtypes = ([tf.as_dtype(d) for d in out_dtypes] if out_dtypes is not None
-              else [t.dtype for t in tensors])
+    dtypes = ([tf.as_dtype(d) for d in collective.out_dtypes]
+              if collective.out_dtypes is not None else [t.dtype for t in tensors])
     symbolic = any(is_symbolic(t) for t in tensors)
-
-    on_device = device_fn if device_fn is not None and same_outputs else None
 
     def forward(*inputs):
         if symbolic:
             device = on_device if on_device and _tf_device_path_available() else None
-            if graph_kernel is not None and device is None:
+            if collective.graph_kernel is not None and device is None:
                 with _after_previous_collective() as remember:
-                    built = graph_kernel(list(inputs))
+                    built = collective.graph_kernel(list(inputs))
                     if built is not None:
                         remember(built[0].op)
                         return built
-            return _graph_op(list(inputs), numpy_fn, name, shapes, dtypes, device, one_buffer)
+            return _graph_op(list(inputs), numpy_fn, collective.name, collective.shapes,
+                             dtypes, device, collective.one_buffer)
         path = device_path(inputs) if on_device is not None else None
         try:
             if path is not None:
@@ -174,10 +201,10 @@ def run(values: Sequence, numpy_fn: Callable[[list[np.ndarray]], list[np.ndarray
             raise as_tf_error(error) from error
         return [_to_tensor(a, t) for a, t in zip(arrays, _templates(inputs, len(arrays)))]
 
-    if grad is None or not (symbolic or _tape_may_record()):
+    if collective.grad is None or not (symbolic or _tape_may_record()):
         results = forward(*tensors)
     else:
-        results = _differentiable(forward, grad, len(dtypes))(*tensors)
+        results = _differentiable(forward, collective.grad, len(dtypes))(*tensors)
     if symbolic:
         return results
     # Eagerly, each output is the kind of value its input was (numpy stays numpy).

@@ -37,7 +37,7 @@ from keras_dist.tensor.checks import check_byte_dtypes as _check_byte_dtypes
 from keras_dist.tensor.checks import check_dtypes as _check_dtypes
 from keras_dist.tensor.checks import check_op as _check_op
 from keras_dist.tensor.compression import Compression
-from keras_dist.tensor.conversions import dtype_of, raising_tf_errors, run, unwrap
+from keras_dist.tensor.conversions import Collective, dtype_of, raising_tf_errors, run, unwrap
 from keras_dist.tensor.counters import COUNTERS
 from keras_dist.tensor.gather_records import MAX_NDIM as _MAX_GATHER_NDIM
 from keras_dist.tensor.gather_records import dtype_name as _dtype_name
@@ -232,15 +232,14 @@ def alltoall(x, splits=None, name: str | None = None, process_set=None):
     group = context.group_for(process_set)
     _check_byte_dtypes([dtype_of(x)], "alltoall")
     values = [x] if splits is None else [x, splits]
-    received = run(
-        values,
+    received = run(values, Collective(
         lambda arrays: _alltoall_arrays(arrays[0], None if splits is None else arrays[1],
                                         name or "alltoall", group),
         "alltoall",
         shapes=lambda shapes: [_rows_unknown(shapes[0]), [group.size]],
         grad=_alltoall_grad(process_set),
         out_dtypes=[dtype_of(x), np.int32],
-    )
+    ))
     return tuple(received) if splits is not None else received[0]
 
 
@@ -356,10 +355,10 @@ def grouped_allgather(xs: Sequence, name: str | None = None, process_set=None) -
     if not xs:
         return []
     _check_byte_dtypes([dtype_of(x) for x in xs], "grouped_allgather")
-    return run(xs, lambda arrays: _grouped_allgather_arrays(arrays, name or "grouped_allgather",
-                                                            group),
-               "grouped_allgather", shapes=lambda shapes: [_rows_unknown(s) for s in shapes],
-               grad=_grouped_allgather_grad(process_set))
+    return run(xs, Collective(
+        lambda arrays: _grouped_allgather_arrays(arrays, name or "grouped_allgather", group),
+        "grouped_allgather", shapes=lambda shapes: [_rows_unknown(s) for s in shapes],
+        grad=_grouped_allgather_grad(process_set)))
 
 
 # ---------------------------------------------------------------------------
@@ -474,14 +473,13 @@ def grouped_reducescatter(xs: Sequence, op: ReduceOp | None = Average, name: str
     _check_dtypes([dtype_of(x) for x in xs], "reducescatter")
     prescale, postscale = float(prescale_factor), float(postscale_factor)
     compressed, contexts = zip(*(compression.compress(unwrap(x)) for x in xs))
-    results = run(
-        compressed,
+    results = run(compressed, Collective(
         lambda arrays: _reducescatter_arrays(arrays, op, prescale, postscale,
                                              name or "reducescatter", group),
         "reducescatter",
         shapes=lambda shapes: [_scattered_shape(s, group) for s in shapes],
         grad=_reducescatter_grad(op, prescale, postscale, process_set),
-    )
+    ))
     return [compression.decompress(r, c) for r, c in zip(results, contexts)]
 
 

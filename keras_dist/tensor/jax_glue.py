@@ -35,6 +35,7 @@ import functools
 import os
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,9 @@ import numpy as np
 from keras_dist import _config
 from keras_dist.tensor import gpu
 from keras_dist.tensor.counters import COUNTERS
+
+if TYPE_CHECKING:
+    from keras_dist.tensor.conversions import Collective
 
 
 def is_traced(value) -> bool:
@@ -65,15 +69,18 @@ def like(template, array: np.ndarray):
     return jnp.asarray(array)
 
 
-def run_traced(values: Sequence, numpy_fn: Callable, name: str,
-               out_dtypes: Sequence | None, same_shapes: bool,
-               device_fn: Callable | None = None, in_place: Callable | None = None,
-               native: Callable | None = None) -> list:
-    """``numpy_fn`` on traced values as one host callback; ``device_fn``
-    (device arrays in and out, same shapes and dtypes), where given, as a
-    buffer callback on the GPU when ``traced_device_module`` finds one;
-    on the CPU ``native`` (``conversions.run``'s ``xla_kernel``), where it
-    builds the outputs, else ``in_place``, where given."""
+def run_traced(values: Sequence, collective: Collective) -> list:
+    """``collective.numpy_fn`` on traced values as one host callback.
+
+    Its ``device_fn`` (device arrays in and out, same shapes and dtypes),
+    where given, runs instead as a buffer callback on the GPU when
+    ``traced_device_module`` finds one; on the CPU its ``xla_kernel``, where
+    it builds the outputs, else its ``in_place``, where given (those two only
+    where each output is shaped and typed as its input).
+    """
+    name, out_dtypes = collective.name, collective.out_dtypes
+    same_shapes = collective.shapes is None and (out_dtypes is None
+                                                 or len(out_dtypes) == len(values))
     if not same_shapes:
         raise NotImplementedError(
             f"keras_dist `{name}` on a traced JAX array needs a static output shape, which "
@@ -81,21 +88,24 @@ def run_traced(values: Sequence, numpy_fn: Callable, name: str,
             "step is jitted). Received: a traced input of shape "
             f"{tuple(values[0].shape)}")
     values = [jnp.asarray(v) for v in values]
-    if device_fn is not None and out_dtypes is None:
+    if collective.device_fn is not None and out_dtypes is None:
         xp = traced_device_module(values)
         if xp is not None:
-            return run_traced_on_device(values, device_fn, xp)
+            return run_traced_on_device(values, collective.device_fn, xp)
     dtypes = list(out_dtypes) if out_dtypes is not None else [v.dtype for v in values]
     if jax.default_backend() == "cpu":
+        like_inputs = collective.outputs_like_inputs
+        native = collective.xla_kernel if like_inputs else None
         outputs = native(values) if native is not None else None
         if outputs is not None:
             return outputs
         # The buffers themselves, as numpy views (see the module's docstring).
-        return run_traced_on_device(values, numpy_fn, np, dtypes, in_place)
+        return run_traced_on_device(values, collective.numpy_fn, np, dtypes,
+                                    collective.in_place if like_inputs else None)
     results = [jax.ShapeDtypeStruct(v.shape, d) for v, d in zip(values, dtypes)]
 
     def host(*arrays):
-        outputs = numpy_fn([np.asarray(a) for a in arrays])
+        outputs = collective.numpy_fn([np.asarray(a) for a in arrays])
         return tuple(np.asarray(o, dtype=r.dtype).reshape(r.shape)
                      for o, r in zip(outputs, results))
 

@@ -22,7 +22,8 @@ from keras_dist.tensor.native_plan import NativeReduction
 
 def graph_kernel(op: ReduceOp, prescale: float, postscale: float, label: str, group,
                  labels: list[str] | None, plain: bool):
-    """For ``conversions.run``: the traced TF step's allreduce as keras_dist's own op
+    """For a ``conversions.Collective``'s ``graph_kernel``: the traced TF step's
+    allreduce as keras_dist's own op
     (``tf.kernel``), or None where the group or the call needs the numpy path
     (also a call not ``plain``: one that reduces otherwise, as Adasum does)."""
     if not plain:
@@ -39,7 +40,8 @@ def graph_kernel(op: ReduceOp, prescale: float, postscale: float, label: str, gr
 
 def xla_kernel(op: ReduceOp, prescale: float, postscale: float, label: str, group,
                labels: list[str] | None, plain: bool):
-    """For ``conversions.run``: a jitted JAX step's allreduce on the CPU through
+    """For a ``conversions.Collective``'s ``xla_kernel``: a jitted JAX step's
+    allreduce on the CPU through
     keras_dist's XLA FFI handler (``jax_glue.native_allreduce``): a builder
     of the traced values' outputs, or of None where the group, the call (one
     not ``plain``) or JAX needs the buffer callback."""
@@ -76,7 +78,7 @@ def natively_scaled(prescale: float, postscale: float, dtypes: list[np.dtype]) -
 
 
 def kernel_for(group, alone, make, enabled: bool):
-    """The builder ``conversions.run`` takes as ``graph_kernel``: ``alone`` in a
+    """The builder a ``conversions.Collective`` takes as ``graph_kernel``: ``alone`` in a
     group of one rank (None: the numpy path there too), ``make(transport,
     engine)`` where the group's transport has a native engine
     (``Transport.native_engine``), else None (the numpy path; also where the
@@ -158,7 +160,8 @@ def allreduce_builder(transport, engine, op: ReduceOp, prescale: float, postscal
 
 
 def gather_kernel(names: list[str], group):
-    """For ``conversions.run``: a traced TF step's allgathers of its inputs
+    """For a ``conversions.Collective``'s ``graph_kernel``: a traced TF step's
+    allgathers of its inputs
     (input i named ``names[i]``) as keras_dist's own op (``tf.kernel``), or
     None where the group or the op library needs the numpy path."""
     from keras_dist.tensor.tf import kernel as tf_kernel

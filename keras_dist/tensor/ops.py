@@ -35,6 +35,7 @@ from keras_dist.tensor import (
 )
 from keras_dist.tensor.compression import Compression
 from keras_dist.tensor.conversions import (
+    Collective,
     dtype_of,
     is_cupy,
     is_indexed_slices,
@@ -367,8 +368,7 @@ def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale:
         return gpu.grouped_allreduce(list(xs), op, prescale, postscale, compression, COUNTERS)
     compressed, contexts = zip(*(compression.compress(unwrap(x)) for x in xs))
     labels = timeline.current_names()  # read now: a traced step runs the call later
-    results = run(
-        compressed,
+    results = run(compressed, Collective(
         lambda arrays: reduce_arrays(arrays, op, prescale, postscale,
                                      name or "allreduce", group, labels),
         "allreduce",
@@ -381,13 +381,13 @@ def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale:
                                                  group, labels, plain),
         xla_kernel=native_kernels.xla_kernel(op, prescale, postscale, name or "allreduce",
                                              group, labels, plain),
-    )
+    ))
     return [compression.decompress(r, c) for r, c in zip(results, contexts)]
 
 
 def _in_place(op: ReduceOp, prescale: float, postscale: float, name: str, group,
               labels: list[str] | None):
-    """The allreduce as ``conversions.run``'s ``in_place``: each result left
+    """The allreduce as a ``conversions.Collective``'s ``in_place``: each result left
     in its array (a copy only where a group of one rank scales)."""
     def run_in_place(arrays: list[np.ndarray]) -> None:
         results = _allreduce_arrays(arrays, op, prescale, postscale, name, group, labels,
@@ -401,7 +401,7 @@ def _in_place(op: ReduceOp, prescale: float, postscale: float, name: str, group,
 
 def _device_allreduce(op: ReduceOp, prescale: float, postscale: float, name: str | None,
                       group, labels: list[str] | None = None):
-    """The allreduce on device arrays (``conversions.run``'s ``device_fn``): GPU
+    """The allreduce on device arrays (a ``conversions.Collective``'s ``device_fn``): GPU
     tensors of the job's group reduced on the GPU data plane; None (the host
     path) for Adasum and process sets, which the GPU path does not serve."""
     if op is _vocab.Adasum or group is not context.get():
@@ -433,12 +433,11 @@ def gather_rows(values, indices, name: str | None = None, process_set=None) -> t
         with conversions.after([gathered]):
             return gathered, allgather(indices, name=names[1], process_set=process_set)
     checks.check_byte_dtypes([dtype_of(values), dtype_of(indices)], "allgather")
-    return tuple(run(
-        [values, indices],
+    return tuple(run([values, indices], Collective(
         lambda arrays: [_allgather_array(a, n or "allgather", group)
                         for a, n in zip(arrays, names)],
         "allgather", shapes=lambda shapes: [[None, *s[1:]] for s in shapes],
-        graph_kernel=kernel))
+        graph_kernel=kernel)))
 
 
 @not_converted_by_autograph
@@ -473,10 +472,11 @@ def _allgather(x, name: str | None, process_set):
     """``allgather``'s general path."""
     group = context.group_for(process_set)
     checks.check_byte_dtypes([dtype_of(x)], "allgather")
-    return run([x], lambda arrays: [_allgather_array(arrays[0], name or "allgather", group)],
-               "allgather", shapes=lambda shapes: [[None, *shapes[0][1:]]],
-               grad=tf_ops.allgather_grad(allgather, allreduce, process_set),
-               graph_kernel=native_kernels.gather_kernel([name or "allgather"], group))[0]
+    return run([x], Collective(
+        lambda arrays: [_allgather_array(arrays[0], name or "allgather", group)],
+        "allgather", shapes=lambda shapes: [[None, *shapes[0][1:]]],
+        grad=tf_ops.allgather_grad(allgather, allreduce, process_set),
+        graph_kernel=native_kernels.gather_kernel([name or "allgather"], group)))[0]
 
 
 @not_converted_by_autograph
@@ -501,9 +501,10 @@ def _broadcast(x, root_rank: int, name: str | None, process_set):
     group = context.group_for(process_set)
     root = checks.check_root(root_rank, group)
     checks.check_byte_dtypes([dtype_of(x)], "broadcast")
-    return run([x], lambda arrays: _broadcast_arrays(arrays, root, name or "broadcast", group),
-               "broadcast",
-               grad=tf_ops.broadcast_grad(allreduce, root, group.rank, process_set))[0]
+    return run([x], Collective(
+        lambda arrays: _broadcast_arrays(arrays, root, name or "broadcast", group),
+        "broadcast",
+        grad=tf_ops.broadcast_grad(allreduce, root, group.rank, process_set)))[0]
 
 
 @raising_tf_errors
@@ -546,7 +547,8 @@ def _broadcast_in_place(variables: Sequence, root_rank: int, name: str, process_
         return []
     if group.size == 1:
         return conversions.assign_and_read(variables, None)
-    values = run(variables, lambda arrays: _broadcast_arrays(arrays, root, name, group), name)
+    values = run(variables, Collective(
+        lambda arrays: _broadcast_arrays(arrays, root, name, group), name))
     return conversions.assign_and_read(variables, values)
 
 

@@ -48,7 +48,8 @@ def _host_call_outputs(traced, values) -> int:
 def test_traced_outputs_leave_in_one_buffer_and_keep_their_values(numpy_fn):
     arrays = _inputs()
     values = [tf.constant(a) for a in arrays]
-    traced = tf.function(lambda *xs: conversions.run(list(xs), numpy_fn, "t", one_buffer=True))
+    traced = tf.function(lambda *xs: conversions.run(
+        list(xs), conversions.Collective(numpy_fn, "t", one_buffer=True)))
     for _ in range(2):
         got = traced(*values)
         for (shape, dtype, _), array, result in zip(SPECS, arrays, got):
@@ -58,7 +59,8 @@ def test_traced_outputs_leave_in_one_buffer_and_keep_their_values(numpy_fn):
     kinds = len({np.dtype(dtype) for _, dtype, inside in SPECS if inside})
     # The buffer once per dtype in it, the others, the status.
     assert _host_call_outputs(traced, values) == kinds + alone + 1
-    plain = tf.function(lambda *xs: conversions.run(list(xs), numpy_fn, "t"))
+    plain = tf.function(lambda *xs: conversions.run(
+        list(xs), conversions.Collective(numpy_fn, "t")))
     assert _host_call_outputs(plain, values) == len(SPECS) + 1
 
 
@@ -85,6 +87,7 @@ def test_a_mismatch_fails_the_traced_step_as_a_failed_precondition():
         raise CollectiveMismatchError("ranks disagree: shape (2,) vs (3,)")
 
     values = [tf.constant(np.ones(4, np.float32)), tf.constant(np.ones(3, np.float32))]
-    traced = tf.function(lambda *xs: conversions.run(list(xs), mismatched, "t", one_buffer=True))
+    traced = tf.function(lambda *xs: conversions.run(
+        list(xs), conversions.Collective(mismatched, "t", one_buffer=True)))
     with pytest.raises(tf.errors.FailedPreconditionError, match="ranks disagree"):
         traced(*values)
