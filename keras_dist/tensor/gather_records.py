@@ -1,6 +1,6 @@
 """The record an allgather's first step gathers from every rank.
 
-native/src/bindings.cc (the one-call allgather and the TensorFlow op) reads
+native/src/one_call.h (the one-call allgather and the TensorFlow op) reads
 and writes the same layout; ``tests/unit/test_shared_tables.py`` checks the
 constants here against the ones the native module reports
 (``_native.GATHER_RECORD``).

@@ -156,13 +156,13 @@ bool load_api() {
 }
 
 // keras_dist._native's entry (see `keras_dist_tf_allreduce_entry` in
-// bindings.cc): returns 0, or a TF_Code with `message` (NUL-terminated, at
+// plans.cc): returns 0, or a TF_Code with `message` (NUL-terminated, at
 // most `message_bytes`) filled in.
 using Entry = int (*)(int64_t plan, int count, const void* const* srcs, void* const* dsts,
                       const size_t* nbytes, char* message, size_t message_bytes);
 
 // keras_dist._native's allgather entry (`keras_dist_tf_allgather_entry` in
-// bindings.cc): `dims` holds kGatherMaxDims per tensor; `out(out_context, i,
+// plans.cc): `dims` holds kGatherMaxDims per tensor; `out(out_context, i,
 // rows)` makes output i and returns its data, or null.
 constexpr int kGatherMaxDims = 8;
 using GatherEntry = int (*)(int64_t plan, int count, const void* const* srcs, const int* ndims,

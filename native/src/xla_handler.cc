@@ -13,7 +13,7 @@
 // plan of keras_dist._native (a ReductionPlan, as the TensorFlow op runs:
 // buckets, engine, fallback, timeline), and it hands the plan the call's input and output
 // buffers through the entry the TensorFlow op uses
-// (keras_dist_tf_allreduce_entry, bindings.cc). Outputs alias their inputs
+// (keras_dist_tf_allreduce_entry, plans.cc). Outputs alias their inputs
 // (the step's fresh gradients), so the allreduce runs in place.
 #include <algorithm>
 #include <cstddef>
