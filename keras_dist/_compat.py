@@ -1,22 +1,32 @@
-"""Every private Keras and TensorFlow API keras_dist uses, in one place.
+"""Every private Keras, TensorFlow and JAX API keras_dist uses, in one place.
+
+A leaf below every layer (the Keras layer and the tensor layer both use it):
+it imports no framework until one of its functions is called, so importing
+it costs nothing and loads nothing.
 
 Supported: Keras 3.9.0 and later 3.x (``pyproject.toml`` bounds the range;
 ``tests/unit/test_compat.py`` runs on the newest Keras and, in ``.ci/run``, on
-the oldest with TensorFlow 2.16). When Keras moves one of these, only this
-module changes.
+the oldest with TensorFlow 2.16), and the JAX the test extra installs. When a
+framework moves one of these, only this module changes.
 """
 
 from __future__ import annotations
 
-import keras
-from keras.src.utils import file_utils, io_utils, tracking
+import functools
+import warnings
 
-#: Decorator: attributes set inside the method are not tracked as Keras state.
-no_automatic_dependency_tracking = tracking.no_automatic_dependency_tracking
+
+def no_automatic_dependency_tracking(method):
+    """Decorator: attributes set inside the method are not tracked as Keras state."""
+    from keras.src.utils import tracking
+
+    return tracking.no_automatic_dependency_tracking(method)
 
 
 def print_msg(message: str) -> None:
     """Prints through Keras's own printing (it respects Keras's logging setup)."""
+    from keras.src.utils import io_utils
+
     io_utils.print_msg(message)
 
 
@@ -46,6 +56,8 @@ def loss_scale_apply(optimizer, grads, trainable_variables) -> None:
     The finite check of ``grads``, then either the inner optimizer's update
     and the loss-scale bookkeeping, or a halved loss scale and no update.
     """
+    import keras
+
     keras.optimizers.LossScaleOptimizer._common_apply(
         optimizer, grads, trainable_variables=trainable_variables
     )
@@ -72,11 +84,15 @@ def backup_weights_path(callback) -> str:
 
 def file_exists(path) -> bool:
     """Whether ``path`` exists, as Keras' own file handling sees it (remote paths too)."""
+    from keras.src.utils import file_utils
+
     return file_utils.exists(path)
 
 
 def in_xla_context() -> bool:
     """True while TensorFlow traces a function that XLA will compile."""
+    import keras
+
     if keras.backend.backend() != "tensorflow":
         return False
     import tensorflow as tf
@@ -87,28 +103,42 @@ def in_xla_context() -> bool:
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
-class BatchNormalizationWithMoments(keras.layers.BatchNormalization):
-    """``BatchNormalization`` whose batch statistics come from ``batch_moments``.
+@functools.cache
+def _batch_normalization_with_moments() -> type:
+    import keras
 
-    Keras computes them in the private ``_moments(inputs, mask)``; a subclass
-    overrides ``batch_moments`` instead, with the same arguments and results
-    (mean and variance over the reduction axes).
-    """
+    class BatchNormalizationWithMoments(keras.layers.BatchNormalization):
+        """``BatchNormalization`` whose batch statistics come from ``batch_moments``.
 
-    def _moments(self, inputs, mask):
-        return self.batch_moments(inputs, mask)
+        Keras computes them in the private ``_moments(inputs, mask)``; a subclass
+        overrides ``batch_moments`` instead, with the same arguments and results
+        (mean and variance over the reduction axes).
+        """
 
-    def batch_moments(self, inputs, mask):
-        return super()._moments(inputs, mask)
+        def _moments(self, inputs, mask):
+            return self.batch_moments(inputs, mask)
 
-    def reduction_axes(self) -> list[int]:
-        """The axes the statistics are taken over (all but the feature axes)."""
-        return list(self._reduction_axes)
+        def batch_moments(self, inputs, mask):
+            return super()._moments(inputs, mask)
+
+        def reduction_axes(self) -> list[int]:
+            """The axes the statistics are taken over (all but the feature axes)."""
+            return list(self._reduction_axes)
+
+    return BatchNormalizationWithMoments
+
+
+def __getattr__(name: str):
+    # ``BatchNormalizationWithMoments`` subclasses a Keras layer: made when first used.
+    if name == "BatchNormalizationWithMoments":
+        return _batch_normalization_with_moments()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 #: Reasons a model's ``jit_compile="auto"`` must resolve to False
-#: (``turn_off_auto_jit_compile_when``).
+#: (``turn_off_auto_jit_compile_when``), and the notices given.
 _AUTO_JIT_VETOES: list = []
+_NOTICES: set[str] = set()
 
 
 def turn_off_auto_jit_compile_when(veto) -> None:
@@ -132,11 +162,54 @@ def turn_off_auto_jit_compile_when(veto) -> None:
         for each in _AUTO_JIT_VETOES:
             reason = each(model)
             if reason:
-                from keras_dist._keras import warn_once
-
-                warn_once("auto-jit", reason)
+                if reason not in _NOTICES:
+                    _NOTICES.add(reason)
+                    warnings.warn(reason, stacklevel=3)
                 return False
         return resolve(model)
 
     resolve_with_vetoes.keras_dist_vetoes = True
     Trainer._resolve_auto_jit_compile = resolve_with_vetoes
+
+
+# ---------------------------------------------------------------------------
+# TensorFlow's and JAX's private APIs, for the tensor layer.
+
+
+def tape_may_record() -> bool:
+    """Whether a TensorFlow gradient tape may record the ops made now."""
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:  # a TensorFlow without it: assume a tape
+        return True
+    return record.could_possibly_record()
+
+
+@functools.cache
+def func_graph_class() -> type:
+    """TensorFlow's class of the graphs ``tf.function`` traces into."""
+    from tensorflow.python.framework.func_graph import FuncGraph
+
+    return FuncGraph
+
+
+def jax_primitive_parts():
+    """``(Primitive, mlir, partial_eval)`` for a JAX primitive of keras_dist's own
+    with a lowering and a dead-code rule, or None where this JAX lacks them."""
+    try:
+        from jax.extend.core import Primitive
+        from jax.interpreters import mlir, partial_eval
+    except ImportError:
+        return None
+    if not hasattr(partial_eval, "dce_rules"):
+        return None
+    return Primitive, mlir, partial_eval
+
+
+def jax_backends_started() -> bool:
+    """Whether JAX has started its backends (its memory settings are read then)."""
+    import jax
+
+    started = getattr(getattr(getattr(jax, "_src", None), "xla_bridge", None),
+                      "backends_are_initialized", None)
+    return bool(started is not None and started())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import keras
 
-from keras_dist._keras import compat
+from keras_dist import _compat as compat
 
 
 def inner_optimizer(optimizer):

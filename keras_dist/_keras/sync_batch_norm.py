@@ -5,8 +5,8 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from keras_dist import _compat as compat
 from keras_dist import _vocab
-from keras_dist._keras import compat
 from keras_dist._runtime import context
 from keras_dist.tensor import ops as kd_ops
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from keras_dist import _compat
 from keras_dist.errors import CollectiveMismatchError
 from keras_dist.tensor.counters import COUNTERS
 from keras_dist.tensor.device_path import device_path, run_on_device
@@ -201,7 +201,7 @@ def run(values: Sequence, collective: Collective) -> list:
             raise as_tf_error(error) from error
         return [_to_tensor(a, t) for a, t in zip(arrays, _templates(inputs, len(arrays)))]
 
-    if collective.grad is None or not (symbolic or _tape_may_record()):
+    if collective.grad is None or not (symbolic or _compat.tape_may_record()):
         results = forward(*tensors)
     else:
         results = _differentiable(forward, collective.grad, len(dtypes))(*tensors)
@@ -235,14 +235,6 @@ def _to_tensor(array: np.ndarray, template):
 
     with tf.device(template.device or "/CPU:0"):
         return tf.convert_to_tensor(array)
-
-
-def _tape_may_record() -> bool:
-    try:
-        from tensorflow.python.eager import record
-    except ImportError:  # pragma: no cover - a TF without it: assume a tape
-        return True
-    return record.could_possibly_record()
 
 
 def _differentiable(forward: Callable, grad: GradFn, n_outputs: int) -> Callable:
@@ -283,7 +275,7 @@ def _after_previous_collective():
     import tensorflow as tf
 
     graph = tf.compat.v1.get_default_graph()
-    chained = (not isinstance(graph, _func_graph_class())
+    chained = (not isinstance(graph, _compat.func_graph_class())
                and graph._get_control_flow_context() is None)  # noqa: SLF001
     previous = getattr(graph, "_keras_dist_last_collective", None) if chained else None
 
@@ -296,13 +288,6 @@ def _after_previous_collective():
         return
     with tf.control_dependencies([previous]):
         yield remember
-
-
-@functools.cache
-def _func_graph_class() -> type:
-    from tensorflow.python.framework.func_graph import FuncGraph
-
-    return FuncGraph
 
 
 def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | None,

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_dist import _config
+from keras_dist import _compat, _config
 from keras_dist.tensor import gpu
 from keras_dist.tensor.counters import COUNTERS
 
@@ -123,9 +123,7 @@ def memory_notice(preallocate_setting: str | None) -> str | None:
     which serves when the backend has not started. ``preallocate_setting``
     is the variable as it was before ``kd.init()``.
     """
-    started = getattr(getattr(jax, "_src", None), "xla_bridge", None)
-    started = getattr(started, "backends_are_initialized", None)
-    if started is None or not started():
+    if not _compat.jax_backends_started():
         return None
     if (preallocate_setting or "").strip().lower() in ("false", "0") or \
             os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform" or \
@@ -298,15 +296,14 @@ def _primitive():
     through Python and tokens on every call. Here the HLO call has the side
     effect, so XLA never drops or merges it, JAX's dead-code pass keeps it
     all the same (``dce_rules``), and the step stays on JAX's fast path."""
+    parts = _compat.jax_primitive_parts()
     try:
         from jax import ffi
-        from jax.extend.core import Primitive
-        from jax.interpreters import mlir
-        from jax.interpreters import partial_eval as pe
     except ImportError:
         return None
-    if not hasattr(pe, "dce_rules") or not hasattr(ffi, "ffi_lowering"):
+    if parts is None or not hasattr(ffi, "ffi_lowering"):
         return None
+    Primitive, mlir, pe = parts  # noqa: N806 - JAX's class
     primitive = Primitive(_TARGET)
     primitive.multiple_results = True
 

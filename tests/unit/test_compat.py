@@ -1,4 +1,4 @@
-"""Every function of keras_dist._keras.compat (the private Keras/TF APIs) on the installed Keras.
+"""Every function of keras_dist._compat (the private Keras/TF APIs) on the installed Keras.
 
 CI runs this file on the newest Keras and again on the oldest supported one
 (``.ci/run``), so a Keras release that moves one of these APIs fails here,
@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_dist as kd  # noqa: E402
-from keras_dist._keras import compat  # noqa: E402
+from keras_dist import _compat as compat  # noqa: E402
 from keras_dist._keras.optimizer import DistributedOptimizer  # noqa: E402
 
 
@@ -124,3 +124,40 @@ def test_in_xla_context_is_true_only_while_xla_traces():
     tf.function(lambda: probe("graph"))()
     tf.function(lambda: probe("xla"), jit_compile=True)()
     assert seen == {"eager": False, "graph": False, "xla": True}
+
+
+def test_importing_compat_loads_no_framework():
+    import subprocess
+    import sys
+
+    code = ("import sys, keras_dist._compat\n"
+            "loaded = [m for m in ('keras', 'tensorflow', 'jax', 'torch') if m in sys.modules]\n"
+            "assert not loaded, loaded\n"
+            "print('LIGHT')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert "LIGHT" in result.stdout, result.stdout + result.stderr
+
+
+def test_tensorflow_private_apis_answer():
+    import tensorflow as tf
+
+    assert compat.tape_may_record() is False  # no tape is open here
+    with tf.GradientTape():
+        assert compat.tape_may_record() is True
+    traced = []
+    tf.function(lambda: traced.append(tf.compat.v1.get_default_graph()) or 0)()
+    assert isinstance(traced[0], compat.func_graph_class())
+
+
+def test_auto_jit_compile_resolution_takes_a_veto():
+    def veto(model):
+        return "keras_dist test veto" if getattr(model, "veto_auto_jit", False) else None
+
+    compat.turn_off_auto_jit_compile_when(veto)
+    vetoed = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    vetoed.veto_auto_jit = True
+    with pytest.warns(UserWarning, match="keras_dist test veto"):
+        assert vetoed._resolve_auto_jit_compile() is False
+    other = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert other._resolve_auto_jit_compile() is False  # Keras's own answer on a CPU

@@ -15,7 +15,7 @@ import dataclasses
 
 import keras
 
-from keras_dist._keras import compat
+from keras_dist import _compat as compat
 from keras_dist._runtime import context
 from keras_dist.errors import KerasDistError
 from keras_dist.tensor import ops as kd_ops

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from keras_dist._keras import compat, lr
+from keras_dist import _compat as compat
+from keras_dist._keras import lr
 from keras_dist._keras.callbacks.learning_rate_schedule import LearningRateScheduleCallback
 from keras_dist._runtime import context
 
