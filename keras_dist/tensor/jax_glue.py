@@ -35,7 +35,6 @@ import functools
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +42,8 @@ import numpy as np
 
 from keras_dist import _compat, _config
 from keras_dist.tensor import gpu
+from keras_dist.tensor.collective import Collective
 from keras_dist.tensor.counters import COUNTERS
-
-if TYPE_CHECKING:
-    from keras_dist.tensor.conversions import Collective
 
 
 def is_traced(value) -> bool:
