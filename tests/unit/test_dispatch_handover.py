@@ -5,9 +5,6 @@ C++ reads no Python object's attributes: the engine comes from
 ``set_dispatch_engine`` (``context.install``), recording from
 ``set_dispatch_recording`` (``timeline.start_timeline``)."""
 
-import os
-import secrets
-
 import numpy as np
 import pytest
 
@@ -18,15 +15,10 @@ from keras_dist.transports.local import LocalTransport
 
 
 @pytest.fixture
-def engine():
-    engine = _native.ShmEngine(f"/kd-test-{os.getpid()}-{secrets.token_hex(4)}", True, 0, 1,
-                               1 << 16, [os.getpid()])
-    engine.attach()
-    yield engine
+def engine(one_rank_engine):
+    yield one_rank_engine
     _native.set_dispatch_engine(None)
     _native.set_dispatch_recording(False)
-    engine.leave()
-    engine.unlink()
 
 
 def test_the_entries_serve_only_with_an_engine_handed_over_and_no_recording(engine):

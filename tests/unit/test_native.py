@@ -257,19 +257,7 @@ def test_reduce_many_property(code, op, size, nsrcs, offset, seed):
 
 
 # -- one-call collectives of numpy arrays, on an engine of one rank ----------
-
-
-@pytest.fixture
-def one_rank_engine():
-    import os
-    import secrets
-
-    engine = _native.ShmEngine(f"/kd-test-{os.getpid()}-{secrets.token_hex(4)}", True, 0, 1,
-                               1 << 16, [os.getpid()])
-    engine.attach()
-    yield engine
-    engine.leave()
-    engine.unlink()
+# (the engine: ``one_rank_engine`` in conftest.py)
 
 
 @pytest.mark.parametrize("extra_ranks", [0, 1])
