@@ -112,6 +112,10 @@ class Config:
     #: Where each machine keeps its copy of an elastic job's committed state
     #: (default: /dev/shm, else the temporary directory).
     elastic_dir: str | None = None
+    #: Seconds processes that started themselves (torchrun's or Kubeflow's
+    #: variables, ``init(rendezvous=...)``) wait for each other at the
+    #: rendezvous before giving up.
+    rendezvous_timeout_seconds: float = 300.0
 
     @classmethod
     def from_env(cls) -> Config:
@@ -138,6 +142,7 @@ class Config:
             shm_slot_bytes=_int("KERAS_DIST_SHM_SLOT_BYTES", 16 * _MIB),
             shm_single_copy=_choice("KERAS_DIST_SHM_SINGLE_COPY", ("auto", "off"), "auto"),
             shm_single_copy_bytes=_int("KERAS_DIST_SHM_SINGLE_COPY_BYTES", _MIB),
+            rendezvous_timeout_seconds=_float("KERAS_DIST_RENDEZVOUS_TIMEOUT", 300.0),
             job_id=(_raw("KERAS_DIST_JOB_ID") or (None, None))[1],
             dynamic_process_sets=_flag(
                 "KERAS_DIST_DYNAMIC_PROCESS_SETS", False, "HOROVOD_DYNAMIC_PROCESS_SETS"

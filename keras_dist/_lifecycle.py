@@ -5,17 +5,29 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
 import sys
 
 from keras_dist import process_sets as sets
 from keras_dist import transports
 from keras_dist._config import Config
-from keras_dist._runtime import context, jobstatus, timeline
+from keras_dist._runtime import context, jobstatus, placement, timeline
+from keras_dist._runtime import rendezvous as rendezvous_module
+from keras_dist.errors import RendezvousError
 from keras_dist.tensor import gpu_memory, outputs
 
 
-def init(comm=None, process_sets=None) -> None:
+def init(comm=None, process_sets=None, *, rendezvous: str | None = None,
+         rank: int | None = None, size: int | None = None,
+         local_rank: int | None = None) -> None:
     """Initialises keras_dist; a second call does nothing.
+
+    Under ``kdrun`` or ``mpiexec`` the job is MPI's. Processes that a cluster
+    started themselves (torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``; Kubeflow Trainer's ``PET_*``; or the ``rendezvous``
+    arguments) meet at rank 0's address and form the same job, with no
+    mpiexec and no ssh: call ``init()`` before anything imports
+    ``mpi4py.MPI``.
 
     Besides the process group, it changes two things outside keras_dist:
     ``keras.callbacks.BackupAndRestore`` writes and restores through rank 0
@@ -35,11 +47,22 @@ def init(comm=None, process_sets=None) -> None:
             ``"dynamic"`` to allow ``add_process_set`` and
             ``remove_process_set`` later (as ``KERAS_DIST_DYNAMIC_PROCESS_SETS=1``
             or ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` do). None: only the global set.
+        rendezvous: ``"host:port"`` where rank 0 listens and the others
+            connect, for processes no MPI launcher started. Needs ``rank``
+            and ``size``. Default: the cluster's variables, if any.
+        rank: this process's rank, in [0, size), with ``rendezvous``.
+        size: the number of processes of the job, with ``rendezvous``.
+        local_rank: this process's rank on its machine, if known; checked
+            against the one MPI finds.
 
     Raises:
         ValueError: ``process_sets`` is neither a list of ``ProcessSet`` nor
             ``"dynamic"``, or an entry is a duplicate or names ranks outside
-            the job (raised on every rank).
+            the job (raised on every rank); the rendezvous arguments or the
+            cluster's variables are incomplete or out of range.
+        RendezvousError: processes that started themselves could not form
+            their job within ``KERAS_DIST_RENDEZVOUS_TIMEOUT`` seconds; the
+            message names what was waited for.
     """
     with context.lock:
         if context.is_initialized():
@@ -48,13 +71,19 @@ def init(comm=None, process_sets=None) -> None:
         static, dynamic = sets.parse_init_argument(process_sets)
         if dynamic:
             config = dataclasses.replace(config, dynamic_process_sets=True)
+        place = _placement(comm, rendezvous, rank, size, local_rank,
+                           config.rendezvous_timeout_seconds)
         from mpi4py import MPI
+
+        if place is not None:
+            rendezvous_module.mpi_started()
 
         user_comm = comm
         comm = (MPI.COMM_WORLD if user_comm is None else user_comm).Dup()
         # From here on a failure on one rank (even inside init) ends the job.
         context.install_excepthook(comm.Get_rank(), comm.Get_size())
         fields = context.topology(comm, config)
+        rendezvous_module.check_local_rank(place, fields["local_rank"])
         transport = transports.cpu_transport(
             config, comm, fields["local_comm"], fields["cross_comm"])
         group = context.Group(config=config, transport=transport,
@@ -74,6 +103,39 @@ def init(comm=None, process_sets=None) -> None:
         atexit.register(shutdown)
     if config.timeline_path:
         timeline.start_timeline(config.timeline_path)
+
+
+def _placement(comm, address, rank, size, local_rank,
+               timeout: float) -> placement.Placement | None:
+    """This process's place in a job it started itself into, once met with
+    the others; None when MPI's launcher placed it (or it runs alone)."""
+    if address is not None:
+        if comm is not None:
+            raise ValueError("`init()` takes `comm` or `rendezvous`, not both. Received: "
+                             f"comm={comm!r}, rendezvous={address!r}")
+        place = placement.from_arguments(address, rank, size, local_rank)
+    elif rank is not None or size is not None or local_rank is not None:
+        raise ValueError("`rank`, `size` and `local_rank` go with `rendezvous`. Received: "
+                         f"rank={rank!r}, size={size!r}, local_rank={local_rank!r}")
+    elif comm is not None:
+        return None
+    else:
+        place = placement.from_environment(os.environ)
+    if place is None:
+        return None
+    if rendezvous_module.joined() == place:
+        return place  # MPI formed this job already (init after shutdown)
+    started = sys.modules.get("mpi4py.MPI")
+    if started is not None and started.Is_initialized():
+        world = started.COMM_WORLD.Get_size()
+        if world == place.size and rendezvous_module.joined() is None:
+            return None  # an MPI launcher placed it after all
+        raise RendezvousError(
+            f"{place.source} place this process as rank {place.rank} of {place.size}, but MPI "
+            f"was started in it before kd.init() (a job of {world}): call kd.init() before "
+            "anything imports mpi4py.MPI.")
+    rendezvous_module.join(place, timeout)
+    return place
 
 
 def shutdown() -> None:

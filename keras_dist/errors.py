@@ -45,6 +45,11 @@ class TransportError(KerasDistError):
     """A transport (MPI, shared memory, NCCL) failed or cannot serve a request."""
 
 
+class RendezvousError(KerasDistError):
+    """Processes that started themselves could not form their job (the
+    rendezvous unreachable, a rank missing, sizes that disagree)."""
+
+
 class StallWarning(UserWarning):
     """Some ranks have waited in a collective that others have not joined."""
 
