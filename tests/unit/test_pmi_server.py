@@ -1,0 +1,174 @@
+"""The process manager of self-started jobs, spoken to as MPICH and keras_dist
+speak to it: greetings, PMI-1 (store, barrier, finalize, abort) and the watch
+that tells every rank when one died."""
+
+import socket
+import threading
+from urllib.parse import unquote
+
+import pytest
+
+from keras_dist._runtime import pmi_server
+
+
+class Job:
+    """A server on a free port, run in a thread; ``connect`` gives a rank's socket."""
+
+    def __init__(self, size, timeout=60.0):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.server = pmi_server.Server(self.listener, size, timeout)
+        self.exit_code = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        self.exit_code = self.server.serve()
+
+    def connect(self):
+        return Client(socket.create_connection(self.listener.getsockname(), timeout=30))
+
+    def finish(self):
+        self.thread.join(timeout=30)
+        self.listener.close()
+        assert not self.thread.is_alive()
+        return self.exit_code
+
+
+class Client:
+    def __init__(self, sock):
+        self.sock, self.buffer = sock, b""
+
+    def sendall(self, data):
+        self.sock.sendall(data)
+
+    def recv(self, count):
+        return self.sock.recv(count)
+
+    def close(self):
+        self.sock.close()
+
+
+def send(sock, line):
+    sock.sendall(line.encode() + b"\n")
+
+
+def receive(sock):
+    while b"\n" not in sock.buffer:
+        data = sock.recv(4096)
+        if not data:
+            return None
+        sock.buffer += data
+    line, sock.buffer = sock.buffer.split(b"\n", 1)
+    return pmi_server.parse_line(line.decode())
+
+
+def greet(job, rank, size, host="h"):
+    sock = job.connect()
+    send(sock, f"cmd=kd_hello rank={rank} size={size} host={host} pid={100 + rank}")
+    return sock
+
+
+def ready_ranks(job, size):
+    socks = [greet(job, rank, size) for rank in range(size)]
+    assert [receive(s)["cmd"] for s in socks] == ["kd_ready"] * size
+    return socks
+
+
+def test_every_rank_is_ready_once_all_have_come():
+    job = Job(3)
+    first = greet(job, 2, 3)
+    others = [greet(job, 0, 3), greet(job, 1, 3)]
+    for sock in [first, *others]:
+        assert receive(sock) == {"cmd": "kd_ready"}
+    for sock in [first, *others]:
+        send(sock, "cmd=finalize")
+        assert receive(sock)["cmd"] == "finalize_ack"
+        sock.close()
+    assert job.finish() == 0
+
+
+@pytest.mark.parametrize("second, expected", [
+    ((1, 3), "rank 1 (host h, pid 101) was told the job has 3 processes, rank 0 was told 2"),
+    ((0, 2), "two processes claim rank 0: host h pid 100 and host h pid 100"),
+])
+def test_a_start_that_cannot_be_is_refused_to_every_process(second, expected):
+    job = Job(2)
+    sockets = [greet(job, 0, 2), greet(job, *second)]
+    for sock in sockets:
+        answer = receive(sock)
+        assert answer["cmd"] == "kd_refuse" and expected in unquote(answer["message"])
+    assert job.finish() == 1
+
+
+def test_ranks_that_never_come_are_named_when_the_start_times_out():
+    job = Job(3, timeout=0.5)
+    sock = greet(job, 1, 3)
+    answer = receive(sock)
+    assert answer["cmd"] == "kd_refuse"
+    assert unquote(answer["message"]).startswith(
+        "ranks [0, 2] of 3 did not reach the rendezvous within 0.5 s "
+        "(KERAS_DIST_RENDEZVOUS_TIMEOUT); those that came: rank 1 (host h, pid 101)")
+    assert job.finish() == 1
+
+
+def test_pmi_store_barrier_and_finalize_as_mpich_uses_them():
+    job = Job(2)
+    ranks = ready_ranks(job, 2)
+    send(ranks[0], "cmd=init pmi_version=1 pmi_subversion=1")
+    assert receive(ranks[0]) == {"cmd": "response_to_init", "pmi_version": "1",
+                                 "pmi_subversion": "1", "rc": "0"}
+    send(ranks[0], "cmd=get_my_kvsname")
+    kvsname = receive(ranks[0])["kvsname"]
+    send(ranks[1], "cmd=get_my_kvsname")
+    assert receive(ranks[1])["kvsname"] == kvsname  # one store for the job
+    assert Job(1).server.kvsname != kvsname  # MPICH names its segments after it
+    send(ranks[0], f"cmd=put kvsname={kvsname} key=card[0] value=tcp://a:1$x")
+    assert receive(ranks[0])["rc"] == "0"
+    send(ranks[1], f"cmd=get kvsname={kvsname} key=card[0]")
+    assert receive(ranks[1])["value"] == "tcp://a:1$x"
+    send(ranks[1], f"cmd=get kvsname={kvsname} key=missing")
+    assert receive(ranks[1])["rc"] == "-1"
+    send(ranks[0], "cmd=barrier_in")
+    send(ranks[1], "cmd=get_universe_size")
+    assert receive(ranks[1])["size"] == "2"  # rank 0 still waits in the barrier
+    send(ranks[1], "cmd=barrier_in")
+    assert [receive(s)["cmd"] for s in ranks] == ["barrier_out", "barrier_out"]
+    for sock in ranks:
+        send(sock, "cmd=finalize")
+        assert receive(sock)["cmd"] == "finalize_ack"
+        sock.close()
+    assert job.finish() == 0
+
+
+def watch(job, rank):
+    sock = job.connect()
+    send(sock, f"cmd=kd_watch rank={rank}")
+    return sock
+
+
+def test_a_rank_that_dies_is_named_to_every_watching_rank():
+    job = Job(3)
+    ranks = ready_ranks(job, 3)
+    watchers = [watch(job, rank) for rank in range(3)]
+    send(ranks[0], "cmd=finalize")  # a rank that finished is no failure...
+    assert receive(ranks[0])["cmd"] == "finalize_ack"
+    ranks[0].close()
+    ranks[2].close()  # ...one that vanishes before finishing is
+    for rank in (0, 1):
+        answer = receive(watchers[rank])
+        assert answer["cmd"] == "kd_abort" and answer["rank"] == "2", answer
+        assert unquote(answer["message"]).startswith(
+            "rank 2 (host h, pid 102) ended before MPI finished")
+    assert job.finish() == 1
+
+
+def test_mpi_abort_on_one_rank_is_named_to_the_others():
+    job = Job(2)
+    ranks = ready_ranks(job, 2)
+    watcher = watch(job, 0)
+    send(ranks[1], "cmd=abort exitcode=1 message=application%20called%20abort")
+    answer = receive(watcher)
+    assert answer["cmd"] == "kd_abort" and answer["rank"] == "1"
+    assert unquote(answer["message"]) == (
+        "rank 1 (host h, pid 101) aborted the job (exit code 1): application called abort")
+    assert job.finish() == 1
