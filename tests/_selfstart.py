@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from keras_dist.launcher.cleanup import kill_processes_with_env
 from tests._mp import REPO_ROOT, TAG_ENV, JobResult, _cmdline, job_environment
 from tests._mp import processes_with_env as _processes_with_env
-from keras_dist.launcher.cleanup import kill_processes_with_env
 
 
 def free_port() -> int:

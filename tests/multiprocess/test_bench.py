@@ -119,3 +119,16 @@ def test_aligned_steps_benchmark_times_both_kinds_on_every_rank():
     for _, aligned, free, ratio in found:
         assert float(aligned) > 0 and float(free) > 0, out
         assert abs(float(ratio) - float(aligned) / float(free)) < 0.01, out  # printed rounded
+
+
+@pytest.mark.timeout(120)
+def test_rendezvous_formation_benchmark_forms_each_way():
+    import subprocess
+
+    done = subprocess.run([sys.executable, "benchmarks/rendezvous_formation.py", "--sizes", "2",
+                           "--reps", "1"], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = re.findall(r"^\s+2\s+(self-started|mpiexec|kdrun)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
+                      done.stdout, flags=re.M)
+    assert [way for way, *_ in rows] == ["self-started", "mpiexec", "kdrun"], done.stdout
+    assert dict((way, float(ratio)) for way, *_, ratio in rows)["mpiexec"] == 1.0, done.stdout
