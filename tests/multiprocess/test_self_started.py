@@ -6,12 +6,14 @@ rendezvous that cannot form fails with one sentence; nothing is left behind.
 """
 
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
 
-from tests._mp import REPO_ROOT
-from tests._selfstart import free_port, run_self_started, start_self_started, torchrun_variables
+from tests._mp import REPO_ROOT, TAG_ENV, job_environment, processes_with_env
+from tests._selfstart import free_port, run_self_started, torchrun_variables
 
 WORKERS = REPO_ROOT / "tests" / "multiprocess" / "workers"
 SELF = str(WORKERS / "self_started.py")
@@ -82,7 +84,7 @@ def test_each_way_of_being_placed_forms_the_job(how):
     result.check()
     for rank in range(np_):
         # One machine: the shared-memory engine among all of them.
-        assert f"SELF rank={rank} size={np_} local={rank}/{np_} cross=0/1 ok" in \
+        assert f"SELF rank={rank} size={np_} local={rank}/{np_} cross=0/1 attempt=- ok" in \
             result.output(rank), result.describe()
     assert not result.leftovers, result.describe()
 
@@ -172,3 +174,24 @@ def test_the_mnist_example_with_torchruns_variables(tmp_path):
     assert "weights on every rank: identical" in result.output(0), result.describe()
     assert "test accuracy: " in result.output(0), result.describe()
     assert not result.leftovers, result.describe()
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_itself_and_restarted_by_it():
+    """torchrun's agent holds MASTER_PORT (keras_dist meets one above it); a
+    rank that fails ends the attempt, and torchrun's restart forms the job again."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun (torch) is not installed")
+    env = job_environment(QUIET, None)
+    done = subprocess.run([torchrun, "--nproc-per-node", "2", "--max-restarts", "1",
+                           "--master-port", str(free_port()), SELF, "restart"],
+                          capture_output=True, text=True, env=env, timeout=100,
+                          cwd=str(REPO_ROOT))
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "rank 1 fails in the first attempt on purpose" in output, output
+    assert "[keras_dist rank 0/2] ending this rank: rank 1 (host" in output, output
+    for rank in range(2):
+        assert f"SELF rank={rank} size=2 local={rank}/2 cross=0/1 attempt=1 ok" in output, output
+    assert not processes_with_env(TAG_ENV, env[TAG_ENV])

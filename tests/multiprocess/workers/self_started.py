@@ -9,6 +9,8 @@ Modes:
     loop: allreduces until rank KD_TEST_VICTIM, at the 20th, kills itself
         (KD_TEST_FAULT=kill) or raises (KD_TEST_FAULT=raise).
     mpi_first: imports mpi4py.MPI before kd.init() (a mistake kd.init names).
+    restart: under torchrun --max-restarts: rank 1 raises in the first attempt
+        (TORCHELASTIC_RESTART_COUNT=0); the next attempt runs ``report``.
 """
 
 import os
@@ -32,7 +34,10 @@ else:
 rank, size = kd.rank(), kd.size()
 print(f"UP rank={rank} size={size}", flush=True)
 
-if MODE in ("report", "explicit"):
+if MODE == "restart" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and rank == 1:
+    raise RuntimeError("rank 1 fails in the first attempt on purpose")
+
+if MODE in ("report", "explicit", "restart"):
     def data(r):
         return np.random.default_rng([7, r]).standard_normal(1001)
 
@@ -43,7 +48,8 @@ if MODE in ("report", "explicit"):
     np.testing.assert_array_equal(gathered, np.stack([data(r)[:3] for r in range(size)]))
     assert kd.allgather_object(os.getpid()) == kd.allgather_object(os.getpid())
     print(f"SELF rank={rank} size={size} local={kd.local_rank()}/{kd.local_size()} "
-          f"cross={kd.cross_rank()}/{kd.cross_size()} ok", flush=True)
+          f"cross={kd.cross_rank()}/{kd.cross_size()} "
+          f"attempt={os.environ.get('TORCHELASTIC_RESTART_COUNT', '-')} ok", flush=True)
 elif MODE == "loop":
     victim, fault = int(os.environ["KD_TEST_VICTIM"]), os.environ["KD_TEST_FAULT"]
     values = np.ones(4096)
