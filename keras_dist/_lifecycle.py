@@ -77,6 +77,8 @@ def init(comm=None, process_sets=None, *, rendezvous: str | None = None,
 
         if place is not None:
             rendezvous_module.mpi_started()
+            rendezvous_module.check_world(place, MPI.COMM_WORLD.Get_size(),
+                                          MPI.Get_library_version())
 
         user_comm = comm
         comm = (MPI.COMM_WORLD if user_comm is None else user_comm).Dup()

@@ -202,6 +202,23 @@ def _mpi_finalized() -> bool:
         return True
 
 
+def check_world(placement: Placement, world_size: int, library: str) -> None:
+    """MPI must have formed the job the rendezvous met (an MPI that does not
+    speak PMI-1 through ``PMI_FD``, such as Open MPI, starts alone instead).
+
+    Raises:
+        RendezvousError: MPI's world is not the job's.
+    """
+    if world_size == placement.size:
+        return
+    name = library.strip().splitlines()[0] if library.strip() else "this MPI"
+    raise RendezvousError(
+        f"rank {placement.rank}: the rendezvous formed a job of {placement.size} processes, "
+        f"but MPI started a world of {world_size} ({name}): processes that start "
+        "themselves need an MPI of MPICH's family (pip install mpich), which forms its "
+        "world through the rendezvous.")
+
+
 def check_local_rank(placement: Placement | None, local_rank: int) -> None:
     """The cluster's ``LOCAL_RANK`` must be the one MPI found from the hosts.
 
