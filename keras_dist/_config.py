@@ -66,6 +66,17 @@ def _choice(name: str, choices: tuple[str, ...], default: str, alias: str | None
     return value
 
 
+def _torchrun_elastic_job() -> str | None:
+    """torchrun's run, when torchrun restarts it (``--max-restarts``) and names
+    it (``--rdzv-id``, or ``--standalone``'s own): its restarts are an elastic
+    job's launches. Its default name, "none", is the same for every run, so
+    commits of another run could be taken for this one's: not elastic then."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id in ("", "none") or not _int("TORCHELASTIC_MAX_RESTARTS", 0):
+        return None
+    return f"torchrun-{run_id}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Settings of one process, parsed from its environment."""
@@ -104,10 +115,12 @@ class Config:
     #: Whether process sets may be added and removed after ``init()``.
     dynamic_process_sets: bool = False
     #: Identifier of the elastic job, the same in every launch of it (set by
-    #: kdrun, which relaunches the ranks after a failure or to resize); None
-    #: when the job is not elastic.
+    #: kdrun, which relaunches the ranks after a failure or to resize; a
+    #: torchrun run under ``--max-restarts`` with a run id is one too,
+    #: ``torchrun-<TORCHELASTIC_RUN_ID>``); None when the job is not elastic.
     elastic_job: str | None = None
-    #: How many times kdrun has launched this elastic job before (0: first run).
+    #: How many times kdrun (or torchrun) has launched this elastic job before
+    #: (0: first run).
     elastic_round: int = 0
     #: Where each machine keeps its copy of an elastic job's committed state
     #: (default: /dev/shm, else the temporary directory).
@@ -147,7 +160,9 @@ class Config:
             dynamic_process_sets=_flag(
                 "KERAS_DIST_DYNAMIC_PROCESS_SETS", False, "HOROVOD_DYNAMIC_PROCESS_SETS"
             ),
-            elastic_job=(_raw("KERAS_DIST_ELASTIC_JOB") or (None, None))[1],
-            elastic_round=_int("KERAS_DIST_ELASTIC_ROUND", 0),
+            elastic_job=(_raw("KERAS_DIST_ELASTIC_JOB") or (None, None))[1]
+            or _torchrun_elastic_job(),
+            elastic_round=_int("KERAS_DIST_ELASTIC_ROUND", None)
+            or _int("TORCHELASTIC_RESTART_COUNT", 0),
             elastic_dir=(_raw("KERAS_DIST_ELASTIC_DIR") or (None, None))[1],
         )

@@ -23,7 +23,7 @@ import keras_dist as kd
 
 out, steps = sys.argv[1], int(sys.argv[2])
 kd.init()
-launch = int(os.environ.get("KERAS_DIST_ELASTIC_ROUND", "0"))
+launch = kd._get().config.elastic_round  # kdrun's launches, or torchrun's restarts
 kill_launch = os.environ.get("KD_KILL_LAUNCH", "0")
 kill_rank = int(os.environ.get("KD_KILL_RANK", "-1"))
 kill_step = int(os.environ.get("KD_KILL_STEP", "-1"))

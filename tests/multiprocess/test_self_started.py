@@ -5,11 +5,13 @@ dead or failing rank ends every rank within a bounded time, naming it; a
 rendezvous that cannot form fails with one sentence; nothing is left behind.
 """
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tests._mp import REPO_ROOT, TAG_ENV, job_environment, processes_with_env
@@ -194,4 +196,31 @@ def test_under_torchrun_itself_and_restarted_by_it():
     assert "[keras_dist rank 0/2] ending this rank: rank 1 (host" in output, output
     for rank in range(2):
         assert f"SELF rank={rank} size=2 local={rank}/2 cross=0/1 attempt=1 ok" in output, output
+    assert not processes_with_env(TAG_ENV, env[TAG_ENV])
+
+
+@pytest.mark.timeout(120)
+def test_torchruns_restarts_resume_an_elastic_job_from_its_last_commit(tmp_path):
+    """Under torchrun --max-restarts with a run id, kd.elastic.run's commits
+    carry the job over a restart, as under kdrun's elastic mode."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun (torch) is not installed")
+    env = job_environment({**QUIET, "KD_KILL_RANK": "1", "KD_KILL_STEP": "6",
+                           "KERAS_DIST_ELASTIC_DIR": str(tmp_path / "commits")}, None)
+    done = subprocess.run([torchrun, "--nproc-per-node", "2", "--max-restarts", "1",
+                           "--rdzv-id", f"kdtest{os.getpid()}", "--master-port", str(free_port()),
+                           str(REPO_ROOT / "tests" / "elastic" / "object_worker.py"),
+                           str(tmp_path), "10"],
+                          capture_output=True, text=True, env=env, timeout=100,
+                          cwd=str(REPO_ROOT))
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    logs = {path.name: json.loads(path.read_text()) for path in tmp_path.glob("launch*.json")}
+    assert sorted(logs) == ["launch1.rank0.json", "launch1.rank1.json"], output
+    reference = sum(np.sin(np.arange(4) + step) * 1.5 for step in range(10))
+    for log in logs.values():
+        # The second launch started from the commit of step 6, not from 0.
+        assert log["start"] == 6 and log["steps"] == [7, 8, 9, 10], log
+        np.testing.assert_allclose(log["weights"], reference, rtol=1e-12)
     assert not processes_with_env(TAG_ENV, env[TAG_ENV])

@@ -114,3 +114,25 @@ def test_an_mpi_that_did_not_take_the_rendezvous_is_named():
     rendezvous.check_local_rank(placement.from_arguments("a:1", 1, 2, local_rank=1), 1)
     with pytest.raises(RendezvousError, match="give LOCAL_RANK=0, but it is local rank 1"):
         rendezvous.check_local_rank(placement.from_arguments("a:1", 1, 2, local_rank=0), 1)
+
+
+@pytest.mark.parametrize("env, job, launch", [
+    ({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_MAX_RESTARTS": "3",
+      "TORCHELASTIC_RESTART_COUNT": "2"}, "torchrun-abc", 2),
+    # torchrun's default run id is the same for every run: not elastic
+    ({"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_MAX_RESTARTS": "3"}, None, 0),
+    ({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_MAX_RESTARTS": "0"}, None, 0),
+    # kdrun's own say wins
+    ({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_MAX_RESTARTS": "3",
+      "KERAS_DIST_ELASTIC_JOB": "kd", "KERAS_DIST_ELASTIC_ROUND": "4"}, "kd", 4),
+])
+def test_torchruns_restarts_are_an_elastic_jobs_launches(monkeypatch, env, job, launch):
+    from keras_dist._config import Config
+
+    for name in ("KERAS_DIST_ELASTIC_JOB", "KERAS_DIST_ELASTIC_ROUND", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = Config.from_env()
+    assert (config.elastic_job, config.elastic_round) == (job, launch)
