@@ -109,7 +109,8 @@ def test_an_mpi_that_did_not_take_the_rendezvous_is_named():
     place = placement.from_arguments("a:1", 1, 2)
     rendezvous.check_world(place, 2, "MPICH Version: 5.0.2\nMPICH Release date: ...")
     with pytest.raises(RendezvousError, match=r"rank 1: the rendezvous formed a job of 2 "
-                       r"processes, but MPI started a world of 1 \(Open MPI v5.0.3, package: Open MPI\)"):
+                       r"processes, but MPI started a world of 1 "
+                       r"\(Open MPI v5.0.3, package: Open MPI\)"):
         rendezvous.check_world(place, 1, "Open MPI v5.0.3, package: Open MPI\nmore")
     rendezvous.check_local_rank(placement.from_arguments("a:1", 1, 2, local_rank=1), 1)
     with pytest.raises(RendezvousError, match="give LOCAL_RANK=0, but it is local rank 1"):
