@@ -106,6 +106,12 @@ class Server:
     # -- start-up ---------------------------------------------------------
     def _hello(self, conn: _Rank, fields: dict[str, str]) -> None:
         conn.host, conn.pid = fields.get("host", "?"), fields.get("pid", "?")
+        if self.started:  # a latecomer cannot join; the running job goes on
+            conn.send(format_line("kd_refuse", message=quote(
+                f"the job of {self.size} processes at this rendezvous has started already; "
+                f"this process (host {conn.host}, pid {conn.pid}) is not part of it")))
+            self._drop(conn)
+            return
         try:
             rank, size = int(fields["rank"]), int(fields["size"])
         except (KeyError, ValueError):

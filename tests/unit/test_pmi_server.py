@@ -172,3 +172,19 @@ def test_mpi_abort_on_one_rank_is_named_to_the_others():
     assert unquote(answer["message"]) == (
         "rank 1 (host h, pid 101) aborted the job (exit code 1): application called abort")
     assert job.finish() == 1
+
+
+def test_a_latecomer_is_refused_and_the_running_job_goes_on():
+    job = Job(2)
+    ranks = ready_ranks(job, 2)
+    late = greet(job, 1, 2)
+    answer = receive(late)
+    assert answer["cmd"] == "kd_refuse"
+    assert "has started already" in unquote(answer["message"])
+    send(ranks[0], "cmd=get_universe_size")
+    assert receive(ranks[0])["size"] == "2"
+    for sock in ranks:
+        send(sock, "cmd=finalize")
+        assert receive(sock)["cmd"] == "finalize_ack"
+        sock.close()
+    assert job.finish() == 0
