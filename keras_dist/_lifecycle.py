@@ -123,8 +123,8 @@ def _placement(comm, address, rank, size, local_rank,
         return None
     else:
         place = placement.from_environment(os.environ)
-    if place is None:
-        return None
+    if place is None or place.size == 1:
+        return None  # alone: MPI starts as a singleton, no one to meet
     if rendezvous_module.joined() == place:
         return place  # MPI formed this job already (init after shutdown)
     started = sys.modules.get("mpi4py.MPI")

@@ -224,3 +224,13 @@ def test_torchruns_restarts_resume_an_elastic_job_from_its_last_commit(tmp_path)
         assert log["start"] == 6 and log["steps"] == [7, 8, 9, 10], log
         np.testing.assert_allclose(log["weights"], reference, rtol=1e-12)
     assert not processes_with_env(TAG_ENV, env[TAG_ENV])
+
+
+@pytest.mark.timeout(60)
+def test_a_job_of_one_needs_no_rendezvous():
+    # A port nothing listens on and that nobody may bind: a job of one never touches it.
+    result = run_self_started([sys.executable, SELF, "report"], np=1, timeout=50, env=QUIET,
+                              variables=lambda rank: {**torchrun_variables(1, 1)(0),
+                                                      "MASTER_ADDR": "unreachable.invalid"})
+    result.check()
+    assert "SELF rank=0 size=1 local=0/1 cross=0/1 attempt=- ok" in result.output(0)
