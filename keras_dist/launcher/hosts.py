@@ -9,6 +9,13 @@ syntax, one host per line::
     node2:4        # the -H form works too
     node3          # one slot
 
+An MPI's launcher may also be given its host file in the environment, as the
+Kubeflow MPI Operator (MPIJob ``v2beta1``) does in the launcher pod: it
+mounts ``/etc/mpi/hostfile`` (``<worker pod>.<job>.<namespace>.svc:<slots>``
+lines for MPICH and Intel MPI, ``... slots=<slots>`` for Open MPI) and names
+it in ``HYDRA_HOST_FILE``, ``I_MPI_HYDRA_HOST_FILE`` or
+``OMPI_MCA_orte_default_hostfile``; ``hostfile_from_environment`` finds it.
+
 Errors are ``ValueError``s that name what was expected and what was received
 (with the file name and line number for a host file).
 """
@@ -16,8 +23,15 @@ Errors are ``ValueError``s that name what was expected and what was received
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 Hosts = tuple[tuple[str, int], ...]
+
+#: The variables naming the host file of MPICH's hydra, Intel MPI's hydra and
+#: Open MPI's mpirun, in the order kdrun looks at them (the Kubeflow MPI
+#: Operator sets the one of the job's ``mpiImplementation``).
+HOSTFILE_VARIABLES = ("HYDRA_HOST_FILE", "I_MPI_HYDRA_HOST_FILE",
+                      "OMPI_MCA_orte_default_hostfile")
 
 #: Host names and IPv4 addresses, as Horovod accepts them.
 HOST_NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -124,3 +138,21 @@ def read_hostfile(path: str) -> Hosts:
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"Cannot read the host file {path!r}: {error}") from None
     return parse_hostfile(text, path)
+
+
+def hostfile_from_environment(environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """The host file an MPI's own settings in ``environ`` name, as ``(variable,
+    path)``; None when none of ``HOSTFILE_VARIABLES`` is set.
+
+    Only the variables count: a file at ``/etc/mpi/hostfile`` that no variable
+    names is not read, so a stray one never changes where a job runs.
+
+    Raises:
+        ValueError: two of the variables name different files.
+    """
+    named = [(name, environ[name]) for name in HOSTFILE_VARIABLES if environ.get(name)]
+    if len({path for _, path in named}) > 1:
+        given = ", ".join(f"{name}={path!r}" for name, path in named)
+        raise ValueError("The MPI host file variables must name one file. Received: "
+                         f"{given}. Give the hosts with -H or --hostfile.")
+    return named[0] if named else None

@@ -19,8 +19,11 @@ Runs COMMAND (no shell) on N ranks through mpiexec.
 options:
   -np N, -n N          number of ranks (default: the slots of the hosts; required
                        without hosts); at most the slots of the hosts
-  -H, --hosts LIST     hosts and slots, e.g. node1:2,node2:2 (default: this machine,
-                       or the nodes of the Slurm job kdrun runs in)
+  -H, --hosts LIST     hosts and slots, e.g. node1:2,node2:2 (default: the nodes of
+                       the Slurm job kdrun runs in, else the host file named by
+                       HYDRA_HOST_FILE, I_MPI_HYDRA_HOST_FILE or
+                       OMPI_MCA_orte_default_hostfile, as in a Kubeflow MPIJob's
+                       launcher, else this machine)
   --hostfile FILE      hosts from FILE, one a line: `host slots=N`, `host:N` or `host`
   --timeline PATH      write a Chrome-trace timeline of the collectives to PATH
   --output-dir DIR     write each rank's output to DIR/rank<r>.stdout and .stderr
@@ -97,13 +100,21 @@ class LaunchOptions:
     #: Each rank sees one GPU of its host, the one at its local rank
     #: (``supervisor.gpu_for_local_rank``).
     gpu_per_rank: bool = False
+    #: Where the hosts came from, for messages: ``"-H a:2,b:2"``, ``"--hostfile
+    #: F"``, ``"Slurm job 7: a:4,b:4"``, ``"HYDRA_HOST_FILE=/etc/mpi/hostfile"``;
+    #: empty without hosts.
+    hosts_source: str = ""
 
 
 def _resolve_hosts(
     values: dict[str, str], environ: Mapping[str, str]
 ) -> tuple[_hosts.Hosts, str, _slurm.Allocation | None]:
-    """The hosts from -H, --hostfile or Slurm (in that order), with a description
-    of where they came from for messages, and the Slurm job when they are its nodes."""
+    """The hosts from -H, --hostfile, Slurm or the host file an MPI variable
+    names (in that order), with a description of where they came from for
+    messages, and the Slurm job when they are its nodes.
+
+    A host discovery script gives the hosts itself: then no MPI variable is
+    looked at (-H, --hostfile and Slurm are, to refuse them with it)."""
     if "hosts" in values and "hostfile" in values:
         raise UsageError("`-H` and `--hostfile` cannot be used together. Received: "
                          f"-H {values['hosts']!r} --hostfile {values['hostfile']!r}")
@@ -114,6 +125,10 @@ def _resolve_hosts(
             hosts = _hosts.read_hostfile(values["hostfile"])
             return hosts, f"--hostfile {values['hostfile']}", None
         allocation = _slurm.find_allocation(environ)
+        if allocation is None and "discovery" not in values:
+            named = _hosts.hostfile_from_environment(environ)
+            if named is not None:
+                return _hostfile_named_by(*named), "=".join(named), None
     except ValueError as error:
         raise UsageError(str(error)) from None
     if allocation is None:
@@ -123,12 +138,23 @@ def _resolve_hosts(
             allocation)
 
 
+def _hostfile_named_by(variable: str, path: str) -> _hosts.Hosts:
+    try:
+        return _hosts.read_hostfile(path)
+    except ValueError as error:
+        raise ValueError(f"{error} (the host file {variable} names, read when no -H or "
+                         "--hostfile is given)") from None
+
+
 def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> LaunchOptions:
     """Parses kdrun's arguments; everything from the command on is passed untouched.
 
     The hosts are those of ``-H`` or ``--hostfile``; without either, inside a
     Slurm job (``SLURM_JOB_ID`` and ``SLURM_JOB_NODELIST`` in ``environ``), the
-    job's nodes with ``SLURM_TASKS_PER_NODE`` slots each. ``-np`` defaults to
+    job's nodes with ``SLURM_TASKS_PER_NODE`` slots each; else those of the host
+    file that ``HYDRA_HOST_FILE``, ``I_MPI_HYDRA_HOST_FILE`` or
+    ``OMPI_MCA_orte_default_hostfile`` names (a Kubeflow MPIJob's launcher pod
+    has one; ``hosts.hostfile_from_environment``). ``-np`` defaults to
     ``SLURM_NTASKS`` in a Slurm job, else to the slots of the hosts given, and
     may not exceed those slots (as horovodrun: "Requested more processes than
     there are available slots"). Without hosts, ranks run on this machine and
@@ -136,12 +162,13 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Lau
 
     Args:
         argv: kdrun's arguments, without the program name.
-        environ: the environment to look for a Slurm job in (default ``os.environ``).
+        environ: the environment to look for a Slurm job or an MPI host file in
+            (default ``os.environ``).
 
     Raises:
         UsageError: an unknown option, a missing or malformed value, ``-H`` with
-            ``--hostfile``, a bad host file or Slurm variable, ``-np`` above the
-            slots of the hosts, or no command.
+            ``--hostfile``, a bad host file, Slurm variable or MPI host file
+            variable, ``-np`` above the slots of the hosts, or no command.
     """
     values: dict[str, str] = {}
     names = {
@@ -197,7 +224,8 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Lau
     elif hosts:
         num_proc = allocation.num_tasks if allocation else _hosts.total_slots(hosts)
     else:
-        raise UsageError("`-np N` is required without -H, --hostfile or a Slurm job.")
+        raise UsageError("`-np N` is required without -H, --hostfile, a Slurm job or an MPI "
+                         "host file variable.")
     if elastic is not None:
         elastic = dataclasses.replace(
             elastic, min_np=elastic.min_np or num_proc, max_np=elastic.max_np or num_proc)
@@ -232,6 +260,7 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Lau
         num_proc=num_proc,
         command=command,
         hosts=hosts,
+        hosts_source=hosts_source,
         slurm=allocation is not None,
         timeline=os.path.abspath(timeline) if timeline else None,
         mpiexec=values.get("mpiexec"),

@@ -169,8 +169,8 @@ def test_args_np_above_the_slots_is_an_error(hostfile):
 
 
 def test_args_np_is_required_without_hosts():
-    with pytest.raises(UsageError, match="`-np N` is required without -H, --hostfile or a "
-                                         "Slurm job"):
+    with pytest.raises(UsageError, match="`-np N` is required without -H, --hostfile, a "
+                                         "Slurm job or an MPI host file variable"):
         parse_args(["python"], NO_SLURM)
 
 
@@ -203,7 +203,8 @@ def test_args_explicit_hosts_win_over_slurm(hostfile):
 
 
 def test_args_default_environment_is_os_environ(monkeypatch):
-    for name in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS"):
+    for name in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS",
+                 *hosts.HOSTFILE_VARIABLES):
         monkeypatch.delenv(name, raising=False)
     assert parse_args(["-np", "2", "python"]).hosts == ()
     monkeypatch.setenv("SLURM_JOB_ID", "3")
@@ -211,6 +212,128 @@ def test_args_default_environment_is_os_environ(monkeypatch):
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "1(x2)")
     options = parse_args(["python"])
     assert options.hosts == (("c1", 1), ("c2", 1)) and options.slurm
+
+
+# --- the host file an MPI's variables name (a Kubeflow MPIJob's launcher) -------------
+#
+# The MPI Operator (MPIJob v2beta1) writes /etc/mpi/hostfile from a ConfigMap,
+# one line per worker pod, "<pod>.<job>.<namespace>.svc[.<cluster domain>]":
+# "<name>:<slots>" for MPICH and Intel MPI, "<name> slots=<slots>" for Open
+# MPI, the launcher first with runLauncherAsWorker; and names it in the
+# launcher pod's HYDRA_HOST_FILE (MPICH), I_MPI_HYDRA_HOST_FILE (Intel) or
+# OMPI_MCA_orte_default_hostfile (Open MPI).
+
+MPICH_HOSTFILE = "pi-worker-0.pi.default.svc:2\npi-worker-1.pi.default.svc:2\n"
+OPENMPI_HOSTFILE = "pi-worker-0.pi.default.svc slots=2\npi-worker-1.pi.default.svc slots=2\n"
+WORKERS = (("pi-worker-0.pi.default.svc", 2), ("pi-worker-1.pi.default.svc", 2))
+
+
+@pytest.fixture
+def mpijob(tmp_path):
+    """Writes a host file as the operator does; returns its path."""
+    def write(text, name="hostfile"):
+        path = tmp_path / name
+        path.write_text(text)
+        return str(path)
+    return write
+
+
+@pytest.mark.parametrize("variable, text", [
+    ("HYDRA_HOST_FILE", MPICH_HOSTFILE),
+    ("I_MPI_HYDRA_HOST_FILE", MPICH_HOSTFILE),
+    ("OMPI_MCA_orte_default_hostfile", OPENMPI_HOSTFILE),
+])
+def test_args_take_the_hosts_of_the_mpijob_hostfile(mpijob, variable, text):
+    path = mpijob(text)
+    environ = {variable: path, "K_MPI_JOB_ROLE": "launcher"}
+    options = parse_args(["python", "train.py"], environ)
+    assert options.hosts == WORKERS
+    assert options.num_proc == 4  # the slots of the workers
+    assert options.hosts_source == f"{variable}={path}"
+    assert not options.slurm
+
+
+def test_mpijob_hostfile_with_a_cluster_domain_and_the_launcher_as_worker(mpijob):
+    # --cluster-domain given to the operator, and runLauncherAsWorker: true.
+    path = mpijob("pi-launcher.pi.team-a.svc.cluster.local:1\n"
+                  "pi-worker-0.pi.team-a.svc.cluster.local:1\n")
+    options = parse_args(["python"], {"HYDRA_HOST_FILE": path})
+    assert options.hosts == (("pi-launcher.pi.team-a.svc.cluster.local", 1),
+                             ("pi-worker-0.pi.team-a.svc.cluster.local", 1))
+
+
+def test_mpijob_hostfile_np_may_use_fewer_slots_and_not_more(mpijob):
+    path = mpijob(MPICH_HOSTFILE)
+    assert parse_args(["-np", "3", "python"], {"HYDRA_HOST_FILE": path}).num_proc == 3
+    with pytest.raises(UsageError, match=rf"^`-np` must be at most the 4 slots of the hosts "
+                                         rf"\(HYDRA_HOST_FILE={path}\)\. Received: -np 5$"):
+        parse_args(["-np", "5", "python"], {"HYDRA_HOST_FILE": path})
+
+
+def test_explicit_hosts_and_slurm_win_over_the_mpijob_hostfile(mpijob, hostfile):
+    environ = {"HYDRA_HOST_FILE": mpijob(MPICH_HOSTFILE)}
+    assert parse_args(["-H", "a:2", "python"], environ).hosts == (("a", 2),)
+    options = parse_args(["--hostfile", hostfile, "python"], environ)
+    assert options.hosts == (("n1", 2), ("n2", 3))
+    assert options.hosts_source == f"--hostfile {hostfile}"
+    slurm = {**environ, "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "s[1-2]",
+             "SLURM_TASKS_PER_NODE": "1(x2)"}
+    options = parse_args(["python"], slurm)
+    assert options.slurm and options.hosts == (("s1", 1), ("s2", 1))
+
+
+def test_no_variable_no_hostfile():
+    # A stray /etc/mpi/hostfile (or an MPIJob's role variable alone) changes nothing:
+    # only a variable naming the file does.
+    environ = {"K_MPI_JOB_ROLE": "launcher", "HYDRA_HOST_FILE": ""}
+    assert hosts.hostfile_from_environment(environ) is None
+    options = parse_args(["-np", "2", "python"], environ)
+    assert options.hosts == () and options.hosts_source == ""
+    with pytest.raises(UsageError, match="`-np N` is required"):
+        parse_args(["python"], environ)
+
+
+def test_hostfile_variables_naming_one_file_or_two(mpijob):
+    path = mpijob(MPICH_HOSTFILE)
+    both = {"HYDRA_HOST_FILE": path, "OMPI_MCA_orte_default_hostfile": path}
+    assert hosts.hostfile_from_environment(both) == ("HYDRA_HOST_FILE", path)
+    other = mpijob(OPENMPI_HOSTFILE, "other")
+    with pytest.raises(UsageError, match=r"^The MPI host file variables must name one file\. "
+                                         rf"Received: HYDRA_HOST_FILE='{path}', "
+                                         rf"OMPI_MCA_orte_default_hostfile='{other}'\. "
+                                         r"Give the hosts with -H or --hostfile\.$"):
+        parse_args(["python"], {**both, "OMPI_MCA_orte_default_hostfile": other})
+
+
+def test_mpijob_hostfile_missing_or_malformed_names_the_variable(mpijob, tmp_path):
+    missing = str(tmp_path / "none")
+    with pytest.raises(UsageError, match=rf"^Cannot read the host file '{missing}'.*No such "
+                                         r"file.*\(the host file HYDRA_HOST_FILE names, read "
+                                         r"when no -H or --hostfile is given\)$"):
+        parse_args(["python"], {"HYDRA_HOST_FILE": missing})
+    path = mpijob("pi-worker-0.pi.default.svc:2\npi-worker-1.pi.default.svc:0\n")
+    with pytest.raises(UsageError, match=rf"^{path}:2: a host file line .*"
+                                         r"\(the host file HYDRA_HOST_FILE names"):
+        parse_args(["python"], {"HYDRA_HOST_FILE": path})
+    # -H does not read it at all.
+    assert parse_args(["-H", "a", "python"], {"HYDRA_HOST_FILE": missing}).hosts == (("a", 1),)
+
+
+def test_a_discovery_script_gives_the_hosts_instead_of_the_mpijob_hostfile(mpijob, tmp_path):
+    # The operator's /etc/mpi/discover_hosts.sh prints the running workers, one a line.
+    script = tmp_path / "discover_hosts.sh"
+    script.write_text("#!/bin/sh\necho pi-worker-0.pi.default.svc\n")
+    script.chmod(0o755)
+    options = parse_args(["-np", "2", "--host-discovery-script", str(script), "--slots", "2",
+                          "python"], {"HYDRA_HOST_FILE": mpijob(MPICH_HOSTFILE)})
+    assert options.hosts == () and options.elastic.discovery_script == str(script)
+
+
+def test_mpich_command_from_the_mpijob_hostfile(mpijob):
+    options = parse_args(["python", "x.py"], {"HYDRA_HOST_FILE": mpijob(MPICH_HOSTFILE)})
+    args = mpiexec.build_command("mpiexec", "mpich", options, {})
+    assert args == ["mpiexec", "-hosts", "pi-worker-0.pi.default.svc:2,"
+                    "pi-worker-1.pi.default.svc:2", "-n", "4", "python", "x.py"]
 
 
 # --- command lines -----------------------------------------------------------------
