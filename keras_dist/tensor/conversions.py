@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from keras_dist import _compat
+from keras_dist._runtime import context
 from keras_dist.errors import CollectiveMismatchError
 from keras_dist.tensor.collective import Collective, GradFn  # noqa: F401 (re-exported)
 from keras_dist.tensor.counters import COUNTERS
@@ -110,6 +111,9 @@ def run(values: Sequence, collective: Collective) -> list:
 
     def forward(*inputs):
         if symbolic:
+            if not tf.compat.v1.executing_eagerly_outside_functions():
+                group = context.get()
+                _tf().number_gpus_as_sessions(group.local_rank, group.local_size)
             device = on_device if on_device and _tf_device_path_available() else None
             if collective.graph_kernel is not None and device is None:
                 with _after_previous_collective() as remember:
@@ -146,8 +150,21 @@ def _tf_to_numpy(tensors: Sequence) -> list[np.ndarray]:
 
 
 def _tf_device_path_available() -> bool:
-    """True when a traced TF step may hand GPU tensors to cupy: TF sees a GPU and
-    cupy imports (read when the step is traced)."""
+    """True when a traced TF step may hand GPU tensors to cupy: the step is a
+    ``tf.function`` of an eager program, TF sees a GPU and cupy imports (read
+    when the step is traced).
+
+    A TF1 graph (a session's) keeps the host path, the session copying GPU
+    tensors to the op and back: asking TensorFlow's eager runtime for its
+    GPUs would start it while the graph is built, before the session that
+    ``visible_device_list`` pins numbers them (see
+    ``tf.glue.number_gpus_as_sessions``), and a ``tf.py_function`` run by a
+    session has not handed GPU tensors over on a GPU machine yet.
+    """
+    import tensorflow as tf
+
+    if not tf.compat.v1.executing_eagerly_outside_functions():
+        return False
     from keras_dist.tensor import gpu
 
     return _tf().gpu_visible() and gpu.usable_cupy() is not None
@@ -217,6 +234,24 @@ def _after_previous_collective():
         yield remember
 
 
+@contextlib.contextmanager
+def in_a_run_of_their_own():
+    """Collectives of a TF1 graph built inside are run by a ``session.run`` of
+    their own (a broadcast of the variables at start): they neither wait for
+    the collectives built before them nor make those built later wait, as
+    ``_after_previous_collective`` chains the others. Chained, running a
+    broadcast built after the train step would run the step too."""
+    import tensorflow as tf
+
+    graph = tf.compat.v1.get_default_graph()
+    previous = getattr(graph, "_keras_dist_last_collective", None)
+    graph._keras_dist_last_collective = None  # noqa: SLF001
+    try:
+        yield
+    finally:
+        graph._keras_dist_last_collective = previous  # noqa: SLF001
+
+
 def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | None,
               dtypes: list, device_fn: Callable | None = None,
               one_buffer: bool = False) -> list:
@@ -267,9 +302,15 @@ def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | N
                 call, tensors, Tout=[*wire_dtypes, tf.string], name=f"keras_dist_{name}")
         remember(status.op)
     status.set_shape(())
-    # Only a failed step reads a file (and fails there); a good one skips it.
-    check = tf.cond(tf.equal(status, _SUCCESS), lambda: tf.constant(""),
-                    lambda: tf.io.read_file(status, name=f"keras_dist_{name}_status"))
+    if tf.compat.v1.executing_eagerly_outside_functions():
+        # Only a failed step reads a file (and fails there); a good one skips it.
+        check = tf.cond(tf.equal(status, _SUCCESS), lambda: tf.constant(""),
+                        lambda: tf.io.read_file(status, name=f"keras_dist_{name}_status"))
+    else:
+        # A TF1 graph reads the status every step (a good one: os.devnull, empty):
+        # building a `tf.cond` there would start TensorFlow's eager runtime before
+        # the session numbers the GPUs (see `tf.glue.number_gpus_as_sessions`).
+        check = tf.io.read_file(status, name=f"keras_dist_{name}_status")
     # Graph optimisation drops stateless ops that feed only control edges:
     # the outputs wait on a (stateful, always true) assertion over its result.
     guard = tf.debugging.Assert(tf.strings.length(check) >= 0, [check])

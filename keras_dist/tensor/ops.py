@@ -530,12 +530,16 @@ def broadcast_variables(variables: Sequence, root_rank: int = 0, process_set=Non
     then the assignments).
 
     Returns:
-        None; in a TF1 graph, the op that runs the broadcast.
+        None; in a TF1 graph, the op that runs the broadcast, for a
+        ``session.run`` of its own: it is not ordered after the graph's other
+        collectives, nor they after it.
     """
-    values = _broadcast_in_place(variables, root_rank, "broadcast_variables", process_set)
-    if values and not conversions.executing_eagerly():
-        return conversions.group_op(values)
-    return None
+    if conversions.executing_eagerly():
+        _broadcast_in_place(variables, root_rank, "broadcast_variables", process_set)
+        return None
+    with conversions.in_a_run_of_their_own():
+        values = _broadcast_in_place(variables, root_rank, "broadcast_variables", process_set)
+    return conversions.group_op(values) if values else None
 
 
 def _broadcast_in_place(variables: Sequence, root_rank: int, name: str, process_set) -> list:

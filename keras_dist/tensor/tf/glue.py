@@ -2,7 +2,8 @@
 
 Imported only when a TensorFlow value may take the device path
 (``conversions.device_path``, and the ``tf.py_function`` op ``conversions.run``
-builds inside a traced step when TensorFlow sees a GPU and cupy is usable).
+builds inside a traced step when TensorFlow sees a GPU and cupy is usable),
+and when a TF1 graph gets a collective (``number_gpus_as_sessions``).
 
 Which tensors: those whose memory is on a GPU, as their DLPack export says.
 A tensor's ``device`` is where its op ran, not where its memory is:
@@ -46,6 +47,31 @@ def on_gpu(tensor) -> bool:
 def gpu_visible() -> bool:
     """True when TensorFlow sees a GPU (a traced step may then place ops on it)."""
     return bool(tf.config.list_logical_devices("GPU"))
+
+
+def number_gpus_as_sessions(local_rank: int, local_size: int) -> None:
+    """Makes TensorFlow's eager runtime see only the GPU at ``local_rank``, as
+    Horovod's TF1 recipe pins a session (``visible_device_list =
+    str(local_rank)``), where the user has not chosen its GPUs and it has
+    not started.
+
+    A session runs keras_dist's host ops through TensorFlow's eager runtime,
+    which starts then and numbers the GPUs it sees from 0. TensorFlow holds
+    one numbering per process: a runtime that saw every GPU would call CUDA
+    device 0 ``GPU:0`` where a session pinned to local rank 1 calls CUDA
+    device 1 so, and TensorFlow refuses whichever comes second ("is being
+    mapped to multiple devices"). With one rank on the machine, fewer GPUs
+    than ranks, or one GPU, nothing changes.
+    """
+    if local_size < 2:
+        return
+    gpus = tf.config.list_physical_devices("GPU")
+    if len(gpus) < local_size or tf.config.get_visible_devices("GPU") != gpus:
+        return
+    try:
+        tf.config.set_visible_devices(gpus[local_rank], "GPU")
+    except RuntimeError:  # the runtime has started: its numbering stands
+        pass
 
 
 def device_module(tensors):
