@@ -79,6 +79,8 @@ __version__ = "0.1.0"
 # takes seconds: it loads on first use, so the collectives alone stay light.
 _LAZY = {
     "DistributedOptimizer": ("keras_dist._keras.optimizer", "DistributedOptimizer"),
+    "BroadcastGlobalVariablesHook": (
+        "keras_dist._keras.session_hook", "BroadcastGlobalVariablesHook"),
     "PartialDistributedOptimizer": (
         "keras_dist._keras.optimizer", "PartialDistributedOptimizer"),
     "DistributedGradientTape": ("keras_dist._keras.gradient_tape", "DistributedGradientTape"),
@@ -147,7 +149,7 @@ def is_homogeneous() -> bool:
 
 
 __all__ = [
-    "Adasum", "Average", "CollectiveMismatchError", "CollectiveTimeoutError", "Compression",
+    "Adasum", "Average", "BroadcastGlobalVariablesHook", "CollectiveMismatchError", "CollectiveTimeoutError", "Compression",
     "DistributedGradientTape", "DistributedOptimizer", "KerasDistError", "Max", "Min",
     "NotInitializedError", "PartialDistributedGradientTape", "PartialDistributedOptimizer",
     "PeerFailureError", "ProcessSet", "Product", "ReduceOp", "StallWarning", "Sum",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import keras
 from keras import ops
 
@@ -116,6 +118,13 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         dynamic_growth_steps: finite steps after which the loss scale doubles.
         name: the optimizer's name.
 
+    A TensorFlow 1 optimizer (``tf.compat.v1.train.Optimizer``) is wrapped
+    for TF1 graphs and sessions instead: the result is a
+    ``tf.compat.v1.train.Optimizer`` whose ``compute_gradients`` (and so
+    ``minimize``) reduces the gradients, with the options above but the
+    Keras-only ones (``scale_local_gradients``, loss scaling); see
+    ``keras_dist._keras.tf1_optimizer``.
+
     Example:
 
     ```python
@@ -123,6 +132,15 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
     model.compile(optimizer=opt, loss="mse")
     ```
     """
+
+    def __new__(cls, optimizer=None, *args, **kwargs):
+        # TensorFlow is loaded wherever a TF1 optimizer exists: it is never imported here.
+        tf = sys.modules.get("tensorflow")
+        if tf is not None and isinstance(optimizer, tf.compat.v1.train.Optimizer):
+            from keras_dist._keras.tf1_optimizer import TF1DistributedOptimizer
+
+            return TF1DistributedOptimizer(optimizer, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -167,6 +185,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             optimizer, backward_passes_per_step, average_aggregated_gradients)
         backends.check_supported()
         if backends.name() == "tensorflow":
+            _check_eager_tensorflow(optimizer)
             compat.turn_off_auto_jit_compile_when(_xla_conflict)
         # LossScaleOptimizer.__init__ would disable the inner optimizer's own
         # `loss_scale_factor`; only the base initialiser is wanted here.
@@ -479,8 +498,24 @@ def PartialDistributedOptimizer(optimizer, *, local_layers=None, **kwargs):  # n
     """
     local_layers = check_local_layers(local_layers)
     wrapped = DistributedOptimizer(optimizer, **kwargs)
+    if not isinstance(wrapped, DistributedOptimizer):
+        raise ValueError("`optimizer` of PartialDistributedOptimizer must be a Keras 3 "
+                         f"optimizer. Received: optimizer={type(optimizer).__name__}")
     wrapped._local.layers.extend(local_layers)
     return wrapped
+
+
+def _check_eager_tensorflow(optimizer) -> None:
+    """Refuses a Keras 3 optimizer in a TF1 graph, where Keras 3 does not train."""
+    import tensorflow as tf
+
+    if not tf.compat.v1.executing_eagerly_outside_functions():
+        raise ValueError(
+            "DistributedOptimizer wraps a Keras 3 optimizer only where TensorFlow runs "
+            "eagerly (Keras 3 does not train in TF1 graph mode): in a graph or session "
+            "script, wrap a tf.compat.v1.train optimizer (e.g. "
+            "tf.compat.v1.train.AdamOptimizer). Received: "
+            f"optimizer={type(optimizer).__name__} in a TF1 graph")
 
 
 def _xla_conflict(model) -> str | None:
