@@ -39,6 +39,7 @@ from keras_dist.errors import (
     KerasDistError,
     NotInitializedError,
     PeerFailureError,
+    RendezvousError,
     StallWarning,
     TransportError,
 )
@@ -149,10 +150,12 @@ def is_homogeneous() -> bool:
 
 
 __all__ = [
-    "Adasum", "Average", "BroadcastGlobalVariablesHook", "CollectiveMismatchError", "CollectiveTimeoutError", "Compression",
+    "Adasum", "Average", "BroadcastGlobalVariablesHook", "CollectiveMismatchError",
+    "CollectiveTimeoutError", "Compression",
     "DistributedGradientTape", "DistributedOptimizer", "KerasDistError", "Max", "Min",
     "NotInitializedError", "PartialDistributedGradientTape", "PartialDistributedOptimizer",
-    "PeerFailureError", "ProcessSet", "Product", "ReduceOp", "StallWarning", "Sum",
+    "PeerFailureError", "ProcessSet", "Product", "ReduceOp", "RendezvousError", "StallWarning",
+    "Sum",
     "SyncBatchNormalization", "TransportError", "add_process_set", "allgather",
     "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
     "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",

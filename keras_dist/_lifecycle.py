@@ -86,6 +86,8 @@ def init(comm=None, process_sets=None, *, rendezvous: str | None = None,
         context.install_excepthook(comm.Get_rank(), comm.Get_size())
         fields = context.topology(comm, config)
         rendezvous_module.check_local_rank(place, fields["local_rank"])
+        if place is not None:
+            rendezvous_module.release_mpi_segments(fields["local_rank"])
         transport = transports.cpu_transport(
             config, comm, fields["local_comm"], fields["cross_comm"])
         group = context.Group(config=config, transport=transport,

@@ -196,8 +196,8 @@ class Server:
         if self.done:
             return
         self.done = True
-        for member in self.connections:
-            if member.watching and member.rank != rank:
+        for member in self.connections:  # the failed rank's own watch too: it stays quiet
+            if member.watching:
                 member.send(format_line("kd_abort", rank=rank, message=quote(message)))
 
     def _drop(self, conn: _Rank) -> None:

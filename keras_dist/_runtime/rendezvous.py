@@ -171,6 +171,8 @@ def _watch(host: str, placement: Placement) -> None:
     if _mpi_finalized():
         return
     fields = _fields(line or "")
+    if fields.get("cmd") == "kd_abort" and fields.get("rank") == str(placement.rank):
+        return  # this rank aborted the job: it ends on its own
     if fields.get("cmd") == "kd_abort":
         reason = unquote(fields.get("message", ""))
     else:
@@ -179,13 +181,17 @@ def _watch(host: str, placement: Placement) -> None:
     sys.stderr.write(f"[keras_dist rank {placement.rank}/{placement.size}] ending this rank: "
                      f"{reason}\n")
     sys.stderr.flush()
-    _unlink_mpi_segments()
     os._exit(1)
 
 
-def _unlink_mpi_segments() -> None:
-    """MPICH removes its shared-memory segment in MPI_Finalize only: a job that
-    ends on a failure would leave it behind (under mpiexec, kdrun removes it)."""
+def release_mpi_segments(local_rank: int) -> None:
+    """Removes the names of MPICH's shared-memory segments, once every rank of
+    this machine has mapped them (after a collective over the job), as the
+    shm engine does with its own: MPICH removes them only in MPI_Finalize, so
+    a rank killed or ended by the watch would leave them behind (under
+    mpiexec, kdrun cleans up after the job). One rank of the machine does it."""
+    if local_rank != 0:
+        return
     for name in procfs.mapped_files(os.getpid(), "/dev/shm/"):
         if name.startswith(("mpich_shm_", "mpich_shar_tmp")):
             try:

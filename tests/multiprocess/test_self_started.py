@@ -106,6 +106,8 @@ def test_a_failing_rank_ends_every_rank_naming_it(victim, fault):
             assert f"[keras_dist rank {rank}/3] ending this rank: rank {victim} (host " in \
                 result.output(rank), result.describe()
             assert what in result.output(rank), result.describe()
+        else:  # the failing rank ends on its own, without a word about itself
+            assert "ending this rank" not in result.output(rank), result.describe()
     assert result.returncode != 0
     assert not result.leftovers, result.describe()
     assert not mpich_segments() - before, "MPICH's shared memory was left behind"
