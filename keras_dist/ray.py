@@ -26,7 +26,6 @@ import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-from urllib.parse import unquote
 
 try:
     import ray
@@ -40,7 +39,7 @@ except ImportError as error:
         "keras_dist.ray needs Ray, which is not installed: pip install 'keras-dist[ray]' "
         f"(or pip install 'ray>=2.9'). ({error})") from error
 
-from keras_dist._runtime import pmi_server
+from keras_dist._runtime import rendezvous
 from keras_dist.errors import KerasDistError, PeerFailureError
 
 __all__ = ["RayExecutor", "RaySettings"]
@@ -141,32 +140,20 @@ class _RankWorker:
 
 class _FirstFailureWatch:
     """Listens to the job's process manager as each rank does, to hear which
-    rank failed first (``pmi_server.py``'s ``kd_watch``). Not a rank: it
-    outlives them, so the executor can name the rank."""
+    rank failed first (``rendezvous.watch``). Not a rank: it outlives them,
+    so the executor can name the rank."""
 
     def __init__(self) -> None:
         self.sock: socket.socket | None = None
 
     def connect(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-        self.sock.sendall(pmi_server.format_line("kd_watch", rank=-1))
+        self.sock = rendezvous.watch("127.0.0.1", port)
 
     def first_failure(self) -> tuple[int | None, str] | None:
         """Blocks until the job ends: ``(rank, what happened)`` when a rank
         failed, None when the process manager ended without a word (after a
         clean shutdown, or killed along with rank 0)."""
-        self.sock.settimeout(None)
-        data = b""
-        while b"\n" not in data:
-            chunk = self.sock.recv(4096)
-            if not chunk:
-                return None
-            data += chunk
-        fields = pmi_server.parse_line(data.split(b"\n", 1)[0].decode(errors="replace"))
-        if fields.get("cmd") != "kd_abort":
-            return None
-        rank = fields.get("rank", "")
-        return (int(rank) if rank.isdigit() else None), unquote(fields.get("message", ""))
+        return rendezvous.wait_for_failure(self.sock)
 
 
 class RayExecutor:

@@ -26,11 +26,12 @@ Each connection is one rank's, and carries, in order:
    ``get_maxes``, ``get_appnum``, ``get_my_kvsname``, ``put``, ``get``,
    ``barrier_in``, ``get_universe_size``, ``finalize``, ``abort``).
 
-A rank may also open a second connection, ``cmd=kd_watch rank=R``, on which
-it only listens: when a rank's connection closes before that rank finalised
-MPI (it died), or a rank aborts MPI, every watching rank is sent
-``cmd=kd_abort rank=R message=...`` and the server ends; Hydra would kill the
-other ranks then, and here each rank ends itself on that message.
+A rank may also open a second connection, ``cmd=kd_watch rank=R`` (answered
+``cmd=kd_watching``), on which it only listens: when a rank's connection
+closes before that rank finalised MPI (it died), or a rank aborts MPI, every
+watcher is sent ``cmd=kd_abort rank=R message=...`` and the server ends;
+Hydra would kill the other ranks then, and here each rank ends itself on that
+message. Ray's and Spark's executors watch as rank -1, to name the rank.
 """
 
 from __future__ import annotations
@@ -225,11 +226,20 @@ class Server:
         elif cmd == "kd_watch":
             conn.watching = True
             conn.rank = int(fields.get("rank", -1))
+            conn.send(format_line("kd_watching"))
         elif conn.rank is not None and conn.ready:
             self._pmi(conn, fields)
 
     def serve(self) -> int:
-        """Runs until every rank has finished (0), or the job ended on a failure (1)."""
+        """Runs until every rank has finished (0), or the job ended on a failure (1);
+        then closes every connection (watchers hear the end)."""
+        try:
+            return self._serve()
+        finally:
+            for conn in list(self.connections):
+                self._drop(conn)
+
+    def _serve(self) -> int:
         while True:
             if self.done:
                 return 1

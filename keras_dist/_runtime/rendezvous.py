@@ -159,22 +159,59 @@ def mpi_started() -> None:
         os.environ.pop(name, None)
 
 
+def watch(host: str, port: int, rank: int = -1, timeout: float = 30.0) -> socket.socket:
+    """A connection on which the job's process manager at ``host:port`` will
+    say which rank failed first (``wait_for_failure``). ``rank``: the watching
+    rank, or -1 for a watcher that is not one (an executor that outlives the
+    ranks, to name the failed one).
+
+    Raises:
+        OSError: the process manager cannot be reached.
+    """
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        sock.sendall(f"cmd=kd_watch rank={rank}\n".encode())
+        # Watching from the answer on: a failure after it is told here.
+        answer = b""
+        while not answer.endswith(b"\n"):
+            byte = sock.recv(1)
+            if not byte:
+                raise ConnectionError(f"the process manager at {host}:{port} closed the watch")
+            answer += byte
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    return sock
+
+
+def wait_for_failure(sock: socket.socket) -> tuple[int | None, str] | None:
+    """Blocks until the job ends: ``(rank, what happened)`` when the process
+    manager names the rank that failed first, None when it ended without a
+    word (the job finished, or the manager died with rank 0)."""
+    try:
+        line = _read_line(sock, bytearray())
+    except OSError:
+        return None
+    fields = _fields(line or "")
+    if fields.get("cmd") != "kd_abort":
+        return None
+    rank = fields.get("rank", "")
+    return (int(rank) if rank.isdigit() else None), unquote(fields.get("message", ""))
+
+
 def _watch(host: str, placement: Placement) -> None:
     """Ends this rank when the server says another rank died or aborted."""
     try:
-        sock = socket.create_connection((host, placement.port), timeout=30)
-        sock.settimeout(None)
-        sock.sendall(f"cmd=kd_watch rank={placement.rank}\n".encode())
-        line = _read_line(sock, bytearray())
+        failure = wait_for_failure(watch(host, placement.port, placement.rank))
     except OSError as error:
-        line = f"cmd=kd_lost message={error}"
+        failure = None, f"the job's rendezvous at {placement.address} cannot be watched: {error}"
     if _mpi_finalized():
         return
-    fields = _fields(line or "")
-    if fields.get("cmd") == "kd_abort" and fields.get("rank") == str(placement.rank):
+    if failure is not None and failure[0] == placement.rank:
         return  # this rank aborted the job: it ends on its own
-    if fields.get("cmd") == "kd_abort":
-        reason = unquote(fields.get("message", ""))
+    if failure is not None:
+        reason = failure[1]
     else:
         reason = (f"the job's rendezvous at {placement.address} (run by rank 0) ended "
                   "without a word: rank 0 or its process manager died")

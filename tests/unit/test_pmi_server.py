@@ -143,6 +143,7 @@ def test_pmi_store_barrier_and_finalize_as_mpich_uses_them():
 def watch(job, rank):
     sock = job.connect()
     send(sock, f"cmd=kd_watch rank={rank}")
+    assert receive(sock) == {"cmd": "kd_watching"}  # registered before anything else
     return sock
 
 
@@ -188,3 +189,26 @@ def test_a_latecomer_is_refused_and_the_running_job_goes_on():
         assert receive(sock)["cmd"] == "finalize_ack"
         sock.close()
     assert job.finish() == 0
+
+
+def test_an_executor_watching_from_outside_hears_the_rank_that_died_first():
+    from keras_dist._runtime import rendezvous
+
+    job = Job(3)
+    ranks = ready_ranks(job, 3)
+    host, port = job.listener.getsockname()
+    outside = rendezvous.watch(host, port)  # rank -1: Ray's and Spark's executors
+    ranks[2].close()
+    assert rendezvous.wait_for_failure(outside) == (
+        2, "rank 2 (host h, pid 102) ended before MPI finished (its connection to the "
+           "rendezvous closed): it died or exited without finishing")
+    assert job.finish() == 1
+    # A job that ends without a failure says nothing.
+    clean = Job(1)
+    (only,) = ready_ranks(clean, 1)
+    quiet = rendezvous.watch(*clean.listener.getsockname())
+    send(only, "cmd=finalize")
+    assert receive(only)["cmd"] == "finalize_ack"
+    only.close()
+    assert rendezvous.wait_for_failure(quiet) is None
+    assert clean.finish() == 0
