@@ -50,6 +50,27 @@ def check_supported() -> None:
                 f"{type(tf.distribute.get_strategy()).__name__}")
 
 
+def refuse_tf1_graph(what: str) -> None:
+    """Raises, in one sentence, where TensorFlow builds TF1 graphs
+    (``tf.compat.v1.disable_eager_execution()`` or ``disable_v2_behavior()``):
+    Keras 3 does not train there, and would fail deep inside its trainer.
+
+    Args:
+        what: what refuses, for the message (``"DistributedOptimizer(Adam)"``).
+    """
+    if name() != "tensorflow":
+        return
+    import tensorflow as tf
+
+    if not tf.compat.v1.executing_eagerly_outside_functions():
+        raise ValueError(
+            f"{what} needs TensorFlow to run eagerly (Keras 3 does not train a model in TF1 "
+            "graph mode): leave eager execution on, or write the TF1 graph with a "
+            "tf.compat.v1.train optimizer in kd.DistributedOptimizer and "
+            "kd.BroadcastGlobalVariablesHook. Received: a TF1 graph "
+            "(tf.compat.v1.disable_eager_execution() or disable_v2_behavior())")
+
+
 def host_function(function: Callable) -> Callable:
     """``function`` made to run eagerly even inside ``torch.compile`` (torch); as is otherwise."""
     if name() != "torch":

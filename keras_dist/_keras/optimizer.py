@@ -185,7 +185,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             optimizer, backward_passes_per_step, average_aggregated_gradients)
         backends.check_supported()
         if backends.name() == "tensorflow":
-            _check_eager_tensorflow(optimizer)
+            backends.refuse_tf1_graph(f"DistributedOptimizer({type(optimizer).__name__})")
             compat.turn_off_auto_jit_compile_when(_xla_conflict)
         # LossScaleOptimizer.__init__ would disable the inner optimizer's own
         # `loss_scale_factor`; only the base initialiser is wanted here.
@@ -503,19 +503,6 @@ def PartialDistributedOptimizer(optimizer, *, local_layers=None, **kwargs):  # n
                          f"optimizer. Received: optimizer={type(optimizer).__name__}")
     wrapped._local.layers.extend(local_layers)
     return wrapped
-
-
-def _check_eager_tensorflow(optimizer) -> None:
-    """Refuses a Keras 3 optimizer in a TF1 graph, where Keras 3 does not train."""
-    import tensorflow as tf
-
-    if not tf.compat.v1.executing_eagerly_outside_functions():
-        raise ValueError(
-            "DistributedOptimizer wraps a Keras 3 optimizer only where TensorFlow runs "
-            "eagerly (Keras 3 does not train in TF1 graph mode): in a graph or session "
-            "script, wrap a tf.compat.v1.train optimizer (e.g. "
-            "tf.compat.v1.train.AdamOptimizer). Received: "
-            f"optimizer={type(optimizer).__name__} in a TF1 graph")
 
 
 def _xla_conflict(model) -> str | None:

@@ -109,6 +109,13 @@ class TF1DistributedOptimizer(tf.compat.v1.train.Optimizer):
         """The wrapped ``tf.compat.v1.train.Optimizer``."""
         return self._optimizer
 
+    def __repr__(self) -> str:
+        # What Keras prints when this is given to `model.compile`, which it refuses.
+        return (f"<DistributedOptimizer of a tf.compat.v1.train optimizer "
+                f"({type(self._optimizer).__name__}), for TF1 graphs and sessions: a Keras 3 "
+                "model compiles with a Keras 3 optimizer, e.g. "
+                "kd.DistributedOptimizer(keras.optimizers.Adam())>")
+
     # -- the wrapped optimizer's own API ------------------------------------
 
     def get_slot(self, var, name):

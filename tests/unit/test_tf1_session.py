@@ -123,9 +123,17 @@ def test_arguments_and_mixtures_are_refused_in_one_sentence():
             kd.DistributedOptimizer(v1.train.AdamOptimizer(0.1), loss_scale=True)
         with pytest.raises(ValueError, match="must be a Keras 3 optimizer"):
             kd.PartialDistributedOptimizer(v1.train.AdamOptimizer(0.1))
-        with pytest.raises(ValueError, match=r"Keras 3 does not train in TF1 graph mode\).*"
-                                             r"Received: optimizer=SGD in a TF1 graph$"):
+        with pytest.raises(ValueError, match=r"^DistributedOptimizer\(SGD\) needs TensorFlow to "
+                                             r"run eagerly \(Keras 3 does not train a model in "
+                                             r"TF1 graph mode\).*Received: a TF1 graph"):
             kd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+        for callback in (kd.callbacks.BroadcastGlobalVariablesCallback(0),
+                         kd.callbacks.MetricAverageCallback(),
+                         kd.callbacks.LearningRateWarmupCallback(0.1)):
+            # Keras 3's fit would fail deep in its trainer: the callbacks say why first.
+            with pytest.raises(ValueError, match=f"^{type(callback).__name__} needs "
+                                                 "TensorFlow to run eagerly"):
+                callback.on_train_begin()
         layer = keras.layers.Dense(2)
         keras_loss = tf.reduce_sum(layer(v1.placeholder(tf.float32, [None, 3])))
         with pytest.raises(ValueError, match="not Keras 3 variables"):
@@ -216,3 +224,10 @@ def test_gpus_the_user_chose_or_a_started_runtime_stay_as_they_are(monkeypatch):
     started.install(monkeypatch)
     tf_glue.number_gpus_as_sessions(1, 4)  # no error: its numbering stands
     assert started.set_to == []
+
+
+def test_a_keras_model_compiled_with_a_tf1_optimizer_is_told_what_to_use():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match=r"a Keras 3 model compiles with a Keras 3 optimizer, "
+                                         r"e\.g\. kd\.DistributedOptimizer\(keras\.optimizers"):
+        model.compile(optimizer=kd.DistributedOptimizer(v1.train.AdamOptimizer(0.1)), loss="mse")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 
+from keras_dist._keras import backends
 from keras_dist._keras.xla import disable_xla_for_training
 from keras_dist.tensor import ops as kd_ops
 
@@ -58,6 +59,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._local_vars.add(id(variable))
 
     def on_train_begin(self, logs=None):
+        backends.refuse_tf1_graph("BroadcastGlobalVariablesCallback")
         disable_xla_for_training(self.model)
         self.broadcast_done = False
         if self.model.built:

@@ -6,7 +6,7 @@ import math
 
 import keras
 
-from keras_dist._keras import lr, warn_once, xla
+from keras_dist._keras import backends, lr, warn_once, xla
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
@@ -72,6 +72,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         return self.start_epoch <= epoch < end
 
     def on_train_begin(self, logs=None):
+        backends.refuse_tf1_graph(type(self).__name__)
         xla.disable_xla_for_training(self.model)
         if self.momentum_correction:
             momentum = getattr(lr.inner_optimizer(self.model.optimizer), "momentum", 0)

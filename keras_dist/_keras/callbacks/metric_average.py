@@ -8,6 +8,7 @@ import keras
 import numpy as np
 
 from keras_dist import _vocab
+from keras_dist._keras import backends
 from keras_dist._keras.xla import disable_xla_for_training
 from keras_dist._runtime import context
 from keras_dist.tensor import ops as kd_ops
@@ -37,6 +38,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
         self.process_set = process_set
 
     def on_train_begin(self, logs=None):
+        backends.refuse_tf1_graph("MetricAverageCallback")
         disable_xla_for_training(self.model)
 
     def on_epoch_end(self, epoch, logs=None):

@@ -313,7 +313,7 @@ def raises(pattern, function):
 
 def test_mixing_in_keras_3_is_one_sentence():
     with tf.Graph().as_default():
-        raises(r"Keras 3 does not train in TF1 graph mode.*tf\.compat\.v1\.train",
+        raises(r"Keras 3 does not train a model in TF1 graph mode.*tf\.compat\.v1\.train",
                lambda: kd.DistributedOptimizer(keras.optimizers.Adam()))
         x = v1.placeholder(tf.float32, [None, 3])
         layer = keras.layers.Dense(2)
