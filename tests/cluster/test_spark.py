@@ -28,6 +28,7 @@ import zipfile
 import numpy as np
 import pytest
 
+from keras_dist._runtime import procfs
 from keras_dist.errors import KerasDistError, PeerFailureError
 from keras_dist.launcher.cleanup import find_job_processes, kill_processes_with_env
 from keras_dist.spark import _place_from_addresses, _process_environment, run
@@ -169,12 +170,7 @@ def _assert_no_job_processes(job: _Job) -> None:
 
 def _mapped_shm() -> list[str]:
     """The /dev/shm files this process maps."""
-    names = set()
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            if "/dev/shm/" in line:
-                names.add(line.split("/dev/shm/", 1)[1].split()[0])
-    return sorted(names)
+    return sorted(procfs.mapped_files(os.getpid(), "/dev/shm/"))
 
 
 # -- what the ranks run -------------------------------------------------------------------

@@ -180,13 +180,19 @@ def test_the_mnist_example_with_torchruns_variables(tmp_path):
     assert not result.leftovers, result.describe()
 
 
+def _torchrun() -> str:
+    """The torchrun of this Python (the torch wheel's), or the test skips."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun (torch) is not installed")
+    return torchrun
+
+
 @pytest.mark.timeout(120)
 def test_under_torchrun_itself_and_restarted_by_it():
     """torchrun's agent holds MASTER_PORT (keras_dist meets one above it); a
     rank that fails ends the attempt, and torchrun's restart forms the job again."""
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    if torchrun is None:
-        pytest.skip("torchrun (torch) is not installed")
+    torchrun = _torchrun()
     env = job_environment(QUIET, None)
     done = subprocess.run([torchrun, "--nproc-per-node", "2", "--max-restarts", "1",
                            "--master-port", str(free_port()), SELF, "restart"],
@@ -205,9 +211,7 @@ def test_under_torchrun_itself_and_restarted_by_it():
 def test_torchruns_restarts_resume_an_elastic_job_from_its_last_commit(tmp_path):
     """Under torchrun --max-restarts with a run id, kd.elastic.run's commits
     carry the job over a restart, as under kdrun's elastic mode."""
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    if torchrun is None:
-        pytest.skip("torchrun (torch) is not installed")
+    torchrun = _torchrun()
     env = job_environment({**QUIET, "KD_KILL_RANK": "1", "KD_KILL_STEP": "6",
                            "KERAS_DIST_ELASTIC_DIR": str(tmp_path / "commits")}, None)
     done = subprocess.run([torchrun, "--nproc-per-node", "2", "--max-restarts", "1",
