@@ -1,4 +1,4 @@
-"""DESIGN.md's layer rules, as import contracts (``.importlinter``), one test each.
+"""docs/architecture.md's layer rules, as import contracts (``.importlinter``), one test each.
 
 Each contract test runs import-linter's ``lint-imports`` on one contract and
 fails with its report: the contract's name and every import chain that breaks
