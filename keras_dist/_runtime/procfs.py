@@ -10,6 +10,10 @@ import os
 from collections.abc import Iterator
 
 _PROC = "/proc"
+# Name prefixes of the shared-memory segments MPICH creates in /dev/shm: its
+# intranode segments (``mpich_shm_*``) and the temporary files it maps while
+# setting them up (``mpich_shar_tmp*``).
+MPICH_SEGMENT_PREFIXES = ("mpich_shm_", "mpich_shar_tmp")
 
 
 def pids() -> Iterator[int]:

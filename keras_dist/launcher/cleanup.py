@@ -12,7 +12,12 @@ JOB_ID_ENV = "KERAS_DIST_JOB_ID"
 SHM_DIR = "/dev/shm"
 # Shared-memory files of MPI runtimes (MPICH, UCX, Open MPI) that a killed job
 # leaves in /dev/shm.
-MPI_SHM_PREFIXES = ("mpich_", "ucx_shm_posix_", "vader_segment.", "sm_segment.")
+MPI_SHM_PREFIXES = (
+    *procfs.MPICH_SEGMENT_PREFIXES,
+    "ucx_shm_posix_",
+    "vader_segment.",
+    "sm_segment.",
+)
 
 
 def find_job_processes(name: str, value: str) -> list[int]:
@@ -66,8 +71,8 @@ def cleanup_shm(job_id: str, before: dict[str, int]) -> list[str]:
 
     That is: files of this user whose name holds the job id (keras_dist's own
     segments), and MPI runtimes' files (``MPI_SHM_PREFIXES``: MPICH's
-    ``mpich_shm_*`` and ``mpich_shar_tmp*``) that appeared since the job started and that
-    no live process maps or holds open. Returns the names removed.
+    ``procfs.MPICH_SEGMENT_PREFIXES``, UCX's, Open MPI's) that appeared since the
+    job started and that no live process maps or holds open. Returns the names removed.
     """
     uid = os.geteuid()
     candidates = []
