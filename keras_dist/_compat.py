@@ -50,6 +50,17 @@ def variable_index(optimizer, variable) -> int:
     return optimizer._get_variable_index(variable)
 
 
+def clip_gradients(optimizer, grads) -> list:
+    """``grads`` clipped as ``optimizer``'s ``clipnorm``, ``global_clipnorm`` or
+    ``clipvalue`` clips them (no None among ``grads``)."""
+    return optimizer._clip_gradients(grads)
+
+
+def uses_weight_decay(optimizer, variable) -> bool:
+    """Whether ``optimizer`` decays ``variable`` (not excluded by name or by variable)."""
+    return optimizer._use_weight_decay(variable)
+
+
 def loss_scale_apply(optimizer, grads, trainable_variables) -> None:
     """Runs ``LossScaleOptimizer``'s step on ``optimizer``, a subclass of it.
 
