@@ -43,6 +43,9 @@ class Group:
     process_sets: dict[int, RegisteredSet] = dataclasses.field(default_factory=dict)
     #: Whether every machine of the job runs the same number of ranks.
     homogeneous: bool = True
+    #: The last collective traced into a JAX function (``tensor.jax_glue.TracedOrder``),
+    #: made on first use.
+    traced_order: object | None = None
 
     def close(self) -> None:
         """Closes the group's transports and frees its communicators.
