@@ -1,4 +1,4 @@
-"""What this folder's training comparisons share (``host_call_outputs.py``, ``overlap_probe.py``).
+"""What this folder's training comparisons use (``overlap_probe.py``).
 
 Their arguments, one TensorFlow thread per rank, every rank's batch, the
 alternating timed blocks and the check that models ended equal on every rank.

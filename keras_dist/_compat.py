@@ -204,6 +204,26 @@ def func_graph_class() -> type:
     return FuncGraph
 
 
+def control_flow_context(graph):
+    """The control-flow construct (``tf.cond``/``tf.while_loop`` of a TF1 graph)
+    that ops built now in ``graph`` land in, or None at the graph's top level.
+
+    Reads ``Graph._get_control_flow_context()``: the tensor layer chains a TF1
+    graph's collectives one after another with control edges, which may not
+    cross into or out of such a construct.
+    """
+    return graph._get_control_flow_context()
+
+
+def jax_trace(value):
+    """The JAX trace a traced array belongs to (None for a concrete array).
+
+    Reads the tracer's ``_trace``: the tensor layer orders the calls it traces
+    into one function, and two tracers of the same trace are of one function.
+    """
+    return getattr(value, "_trace", None)
+
+
 def jax_primitive_parts():
     """``(Primitive, mlir, partial_eval)`` for a JAX primitive of keras_dist's own
     with a lowering and a dead-code rule, or None where this JAX lacks them."""

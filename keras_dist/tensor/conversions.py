@@ -12,6 +12,7 @@ outputs as one buffer (``tf.graph_buffer``).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -41,7 +42,6 @@ from keras_dist.tensor.kinds import (
     to_numpy,
     unwrap,
 )
-from keras_dist.tensor.tf import graph_buffer
 from keras_dist.tensor.tf.errors import (
     _FAILURE_PREFIX,
     _SUCCESS,
@@ -50,7 +50,7 @@ from keras_dist.tensor.tf.errors import (
     not_converted_by_autograph,
     raising_tf_errors,
 )
-from keras_dist.tensor.tf.graph_buffer import BufferLayout
+from keras_dist.tensor.tf.graph_buffer import BufferLayout, buffer_layout, from_buffer, to_buffer
 
 __all__ = [
     "BufferLayout", "Collective", "GradFn", "after", "as_tf_error", "assign_and_read", "cast",
@@ -59,10 +59,11 @@ __all__ = [
     "raising_tf_errors", "run", "run_on_device", "to_numpy", "unwrap",
 ]
 
-# Looked up here when a step is traced (a benchmark swaps it).
-_buffer_layout = graph_buffer.buffer_layout
-_to_buffer = graph_buffer.to_buffer
-_from_buffer = graph_buffer.from_buffer
+#: Per TF1 graph: the name of the collective op built last in it, which the
+#: next one built waits for (``_after_previous_collective``); None while a
+#: ``in_a_run_of_their_own`` block builds. A name, not the op: the op refers to
+#: its graph, which would keep the key alive.
+_LAST_COLLECTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # ---------------------------------------------------------------------------
@@ -220,17 +221,17 @@ def _after_previous_collective():
 
     graph = tf.compat.v1.get_default_graph()
     chained = (not isinstance(graph, _compat.func_graph_class())
-               and graph._get_control_flow_context() is None)  # noqa: SLF001
-    previous = getattr(graph, "_keras_dist_last_collective", None) if chained else None
+               and _compat.control_flow_context(graph) is None)
+    previous = _LAST_COLLECTIVE.get(graph) if chained else None
 
     def remember(op) -> None:
         if chained:
-            graph._keras_dist_last_collective = op  # noqa: SLF001
+            _LAST_COLLECTIVE[graph] = op.name
 
     if previous is None:
         yield remember
         return
-    with tf.control_dependencies([previous]):
+    with tf.control_dependencies([graph.get_operation_by_name(previous)]):
         yield remember
 
 
@@ -244,12 +245,12 @@ def in_a_run_of_their_own():
     import tensorflow as tf
 
     graph = tf.compat.v1.get_default_graph()
-    previous = getattr(graph, "_keras_dist_last_collective", None)
-    graph._keras_dist_last_collective = None  # noqa: SLF001
+    previous = _LAST_COLLECTIVE.get(graph)
+    _LAST_COLLECTIVE[graph] = None
     try:
         yield
     finally:
-        graph._keras_dist_last_collective = previous  # noqa: SLF001
+        _LAST_COLLECTIVE[graph] = previous
 
 
 def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | None,
@@ -258,7 +259,7 @@ def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | N
     """``numpy_fn`` as one stateful graph op, failing as ``run`` says.
 
     Without ``device_fn``: a ``tf.numpy_function`` (with ``one_buffer``, its
-    outputs leave it as one buffer: ``_buffer_layout``). With it: a
+    outputs leave it as one buffer: ``graph_buffer.buffer_layout``). With it: a
     ``tf.py_function``, which hands the function TF tensors on the op's
     device: on a GPU, they take ``device_fn`` by DLPack (``tf.glue`` says how
     it is ordered against TensorFlow's stream); elsewhere ``numpy_fn``.
@@ -267,7 +268,7 @@ def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | N
 
     static = (shapes([t.shape for t in tensors]) if shapes
               else [t.shape for t in _templates(tensors, len(dtypes))])
-    layout = (_buffer_layout(dtypes, static) if one_buffer and device_fn is None else None)
+    layout = (buffer_layout(dtypes, static) if one_buffer and device_fn is None else None)
     wire_dtypes = dtypes if layout is None else (
         [*layout.buffer_dtypes,
          *(d for d, inside in zip(dtypes, layout.in_buffer) if not inside)])
@@ -275,7 +276,7 @@ def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | N
     def reduce(inputs: list) -> list:
         if device_fn is None:
             results = numpy_fn(inputs)
-            return results if layout is None else _to_buffer(results, layout)
+            return results if layout is None else to_buffer(results, layout)
         path = device_path(inputs)
         if path is not None:
             return run_on_device(inputs, device_fn, *path)
@@ -316,7 +317,7 @@ def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | N
     guard = tf.debugging.Assert(tf.strings.length(check) >= 0, [check])
     with tf.control_dependencies([guard]):
         wire = [tf.identity(o) for o in wire]
-    outputs = wire if layout is None else _from_buffer(wire, layout, dtypes, static)
+    outputs = wire if layout is None else from_buffer(wire, layout, dtypes, static)
     for output, shape in zip(outputs, static):
         output.set_shape(shape)
     return outputs

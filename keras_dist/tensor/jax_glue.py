@@ -11,7 +11,7 @@ and fills as numpy views of the same memory, once per call of the compiled
 step; each callback traced in a function takes an output of the one before
 it, so every rank runs its collectives in the same sequence
 (``run_traced_on_device``). An ordered ``io_callback``, which converts every
-input and output, cost 1-3 ms a call more for 2.7 MB; it serves where JAX
+input and output, costs more a call (docs/performance.md); it serves where JAX
 compiles for a GPU and the collective has no device path. Outputs of a
 traced collective must have static shapes: collectives whose output shape
 depends on other ranks (allgather, alltoall, ...) raise a clear error there.
@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from keras_dist import _compat, _config
+from keras_dist._runtime import context
 from keras_dist.tensor import gpu
 from keras_dist.tensor.collective import Collective
 from keras_dist.tensor.counters import COUNTERS
@@ -173,11 +174,6 @@ def traced_device_module(values):
     return gpu.device_module(v.dtype for v in values)
 
 
-#: (trace, an output of the last device callback traced in it): the next one
-#: in the same trace takes it as an input, so XLA runs them in program order.
-_last_device_call: list = [None, None]
-
-
 def run_traced_on_device(values: Sequence, device_fn: Callable, xp,
                          dtypes: Sequence | None = None,
                          in_place: Callable | None = None) -> list:
@@ -227,17 +223,36 @@ def run_traced_on_device(values: Sequence, device_fn: Callable, xp,
             *values, *previous))
 
 
+class TracedOrder:
+    """The last keras_dist call traced into a JAX function, and one of its outputs.
+
+    The process group holds one (``Group.traced_order``, made on first use:
+    ``_in_order``), so it goes with the group at ``kd.shutdown``.
+    """
+
+    def __init__(self) -> None:
+        self._trace = None
+        self._output = None
+
+    def chain(self, values: Sequence, call: Callable) -> list:
+        """``call(previous)``'s outputs, ``previous`` an output of the last call
+        traced into the values' function (or nothing): each takes the one before
+        it as an extra input, so XLA runs them in the order they were traced."""
+        trace = _compat.jax_trace(values[0])
+        previous = [self._output] if trace is not None and self._trace is trace else []
+        outputs = call(previous)
+        if trace is not None and outputs:
+            self._trace, self._output = trace, outputs[0]
+        return list(outputs)
+
+
 def _in_order(values: Sequence, call: Callable) -> list:
-    """``call(previous)``'s outputs, ``previous`` an output of the last call of
-    keras_dist traced in the values' trace (or nothing): each takes the one
-    before it as an extra input, so XLA runs them in the order they were traced."""
-    trace = getattr(values[0], "_trace", None)
-    previous = [_last_device_call[1]] if trace is not None and \
-        _last_device_call[0] is trace else []
-    outputs = call(previous)
-    if trace is not None and outputs:
-        _last_device_call[:] = [trace, outputs[0]]
-    return list(outputs)
+    """``call`` chained after the last call traced into the values' function
+    (``TracedOrder``, the process group's)."""
+    group = context.get()
+    if group.traced_order is None:
+        group.traced_order = TracedOrder()
+    return group.traced_order.chain(values, call)
 
 
 # ---------------------------------------------------------------------------

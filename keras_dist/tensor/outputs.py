@@ -2,8 +2,8 @@
 
 glibc serves allocations over 32 MiB with a fresh mmap each time, and fresh
 pages cost a fault and zeroing the first time they are written, about as long
-as copying them: a 64 MiB ``kd.allreduce`` result costs ~10 ms before any
-data moves (measured: the call takes 0.66x the time with the pool). The pool
+as copying them (a large ``kd.allreduce`` result pays it before any data
+moves; docs/performance.md gives the numbers). The pool
 keeps the memory of a few such outputs and hands it out again once nothing
 refers to it any more: every array made from a block, and every view of
 those, holds a reference to the block, so a block whose only references are

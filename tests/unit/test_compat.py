@@ -161,3 +161,38 @@ def test_auto_jit_compile_resolution_takes_a_veto():
         assert vetoed._resolve_auto_jit_compile() is False
     other = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     assert other._resolve_auto_jit_compile() is False  # Keras's own answer on a CPU
+
+
+def test_control_flow_context_is_none_only_at_a_tf1_graphs_top_level():
+    import tensorflow as tf
+
+    seen = []
+
+    def branch():
+        seen.append(compat.control_flow_context(tf.compat.v1.get_default_graph()))
+        return tf.constant(1.0)
+
+    tf.compat.v1.disable_control_flow_v2()  # a TF1 graph's own tf.cond
+    try:
+        with tf.Graph().as_default() as graph:
+            assert compat.control_flow_context(graph) is None
+            tf.compat.v1.cond(tf.constant(True), branch, branch)
+    finally:
+        tf.compat.v1.enable_control_flow_v2()
+    assert seen and all(context is not None for context in seen), seen
+
+
+def test_jax_trace_is_shared_by_the_tracers_of_one_function():
+    jax = pytest.importorskip("jax", reason="needs jax (the test extra installs it)")
+
+    traces = []
+
+    def step(x, y):
+        traces.append((compat.jax_trace(x), compat.jax_trace(y), compat.jax_trace(x + y)))
+        return x
+
+    jax.jit(step)(jax.numpy.ones(2), jax.numpy.zeros(2))
+    (first, second, derived), = traces
+    assert first is not None and first is second is derived
+    assert compat.jax_trace(jax.numpy.ones(2)) is None
+    assert compat.jax_trace(np.ones(2)) is None

@@ -10,6 +10,7 @@ import tensorflow as tf  # noqa: E402
 
 from keras_dist.errors import CollectiveMismatchError  # noqa: E402
 from keras_dist.tensor import conversions, fusion  # noqa: E402
+from keras_dist.tensor.tf import graph_buffer  # noqa: E402
 
 # (shape, dtype, leaves the op in the buffer): up to 64 KiB, aligned or not,
 # of a numeric dtype; larger ones and bools travel alone.
@@ -67,7 +68,7 @@ def test_traced_outputs_leave_in_one_buffer_and_keep_their_values(numpy_fn):
 def test_layout_follows_aligned_like_and_needs_static_shapes():
     shapes = [tf.TensorShape(s) for s, _, _ in SPECS]
     dtypes = [tf.as_dtype(d) for _, d, _ in SPECS]
-    offsets, total, nbytes, inside, kinds = conversions._buffer_layout(dtypes, shapes)
+    offsets, total, nbytes, inside, kinds = graph_buffer.buffer_layout(dtypes, shapes)
     arrays = _inputs()
     views = fusion.aligned_like(arrays)
     start = views.region.ctypes.data
@@ -78,8 +79,8 @@ def test_layout_follows_aligned_like_and_needs_static_shapes():
             assert view.ctypes.data - start == offset
     assert inside == [flag for _, _, flag in SPECS]
     assert kinds == list(dict.fromkeys(d for d, flag in zip(dtypes, inside) if flag))
-    assert conversions._buffer_layout(dtypes[:2], [tf.TensorShape([None, 3])] * 2) is None
-    assert conversions._buffer_layout([tf.float32], [tf.TensorShape([4])]) is None
+    assert graph_buffer.buffer_layout(dtypes[:2], [tf.TensorShape([None, 3])] * 2) is None
+    assert graph_buffer.buffer_layout([tf.float32], [tf.TensorShape([4])]) is None
 
 
 def test_a_mismatch_fails_the_traced_step_as_a_failed_precondition():

@@ -8,8 +8,8 @@ TensorFlow's inputs into the outputs: each input's own buffer where
 TensorFlow lets the op reuse it (a fresh gradient), else memory the op reuses
 from step to step. Nothing runs in Python on a good step but one count in ``COUNTERS``
 (and, while a timeline records, the collective's span). The
-``tf.numpy_function`` op it replaces cost 0.2-0.9 ms a step in TensorFlow's
-hand-over to Python (``benchmarks/tf_op_ab.py``).
+``tf.numpy_function`` op it replaces pays TensorFlow's hand-over to Python
+every step (measured by ``benchmarks/tf_op_ab.py``; docs/performance.md).
 
 A bucket the engine raises on goes to the fallback ``ops`` gives for that
 bucket, in Python, as the numpy path does it (``allreduce_plans.parts_mismatched``):
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -93,14 +94,17 @@ def status_of(error: BaseException, mismatch_class: type) -> tuple[int, str]:
     return code, f"{type(error).__name__}: {error}"
 
 
+#: Per graph being built: the native plans its ops name, kept as long as the
+#: graph (and so its ops) lives.
+_PLANS_OF_GRAPH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _keep(plan):
-    """``plan``, kept alive by the graph being built as long as its op can run."""
+    """``plan``, kept alive as long as the graph being built, whose op runs it."""
     import tensorflow as tf
 
     graph = tf.compat.v1.get_default_graph()
-    if not hasattr(graph, "_keras_dist_plans"):
-        graph._keras_dist_plans = []  # noqa: SLF001
-    graph._keras_dist_plans.append(plan)  # noqa: SLF001
+    _PLANS_OF_GRAPH.setdefault(graph, []).append(plan)
     return plan
 
 
