@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 _MIB = 1 << 20
 
@@ -64,6 +65,38 @@ def _choice(name: str, choices: tuple[str, ...], default: str, alias: str | None
     if value not in choices:
         raise ValueError(f"`{key}` must be one of {choices}. Received: {key}={value!r}")
     return value
+
+
+#: The shortest secret accepted: 128 bits.
+_SECRET_MIN_BYTES = 16
+
+
+def _secret() -> bytes:
+    """The job's secret for the rendezvous: ``KERAS_DIST_SECRET`` (its UTF-8
+    bytes) or the contents of ``KERAS_DIST_SECRET_FILE`` (white space at the
+    ends removed, as a mounted Kubernetes Secret or ``echo`` leaves it)."""
+    text = os.environ.get("KERAS_DIST_SECRET", "")
+    path = os.environ.get("KERAS_DIST_SECRET_FILE", "")
+    if text and path:
+        raise ValueError("Set one of `KERAS_DIST_SECRET` and `KERAS_DIST_SECRET_FILE`, not both. "
+                         f"Received: both (KERAS_DIST_SECRET_FILE={path!r})")
+    name, secret = "KERAS_DIST_SECRET", text.encode()
+    if path:
+        name = "KERAS_DIST_SECRET_FILE"
+        try:
+            secret = Path(path).read_bytes().strip()
+        except OSError as error:
+            raise ValueError("`KERAS_DIST_SECRET_FILE` must name a readable file. Received: "
+                             f"KERAS_DIST_SECRET_FILE={path!r} ({error.strerror})") from None
+        if not secret:
+            raise ValueError("`KERAS_DIST_SECRET_FILE` must name a file that holds the secret. "
+                             f"Received: KERAS_DIST_SECRET_FILE={path!r}, an empty file")
+    if secret and len(secret) < _SECRET_MIN_BYTES:
+        raise ValueError(f"`{name}` must hold at least {_SECRET_MIN_BYTES} bytes (for example "
+                         "the output of `python -c \"import secrets; "
+                         "print(secrets.token_hex(32))\"`). "
+                         f"Received: a secret of {len(secret)} bytes")
+    return secret
 
 
 def _torchrun_elastic_job() -> str | None:
@@ -129,6 +162,14 @@ class Config:
     #: variables, ``init(rendezvous=...)``) wait for each other at the
     #: rendezvous before giving up.
     rendezvous_timeout_seconds: float = 300.0
+    #: The job's secret, which every connection to the rendezvous proves
+    #: (``KERAS_DIST_SECRET`` or ``KERAS_DIST_SECRET_FILE``; Ray's and Spark's
+    #: executors make one per job); empty: none. Never printed.
+    rendezvous_secret: bytes = dataclasses.field(default=b"", repr=False)
+    #: Whether the rendezvous's process manager is started by the launcher
+    #: (``KERAS_DIST_RENDEZVOUS_SERVED_BY_LAUNCHER=1``, set by Ray's and
+    #: Spark's executors) rather than by rank 0.
+    rendezvous_served_by_launcher: bool = False
 
     @classmethod
     def from_env(cls) -> Config:
@@ -156,6 +197,9 @@ class Config:
             shm_single_copy=_choice("KERAS_DIST_SHM_SINGLE_COPY", ("auto", "off"), "auto"),
             shm_single_copy_bytes=_int("KERAS_DIST_SHM_SINGLE_COPY_BYTES", _MIB),
             rendezvous_timeout_seconds=_float("KERAS_DIST_RENDEZVOUS_TIMEOUT", 300.0),
+            rendezvous_secret=_secret(),
+            rendezvous_served_by_launcher=_flag("KERAS_DIST_RENDEZVOUS_SERVED_BY_LAUNCHER",
+                                                False),
             job_id=(_raw("KERAS_DIST_JOB_ID") or (None, None))[1],
             dynamic_process_sets=_flag(
                 "KERAS_DIST_DYNAMIC_PROCESS_SETS", False, "HOROVOD_DYNAMIC_PROCESS_SETS"

@@ -68,11 +68,12 @@ def init(comm=None, process_sets=None, *, rendezvous: str | None = None,
         if context.is_initialized():
             return
         config = Config.from_env()
+        for name in rendezvous_module.SECRET_VARIABLES:  # not for processes this one starts
+            os.environ.pop(name, None)
         static, dynamic = sets.parse_init_argument(process_sets)
         if dynamic:
             config = dataclasses.replace(config, dynamic_process_sets=True)
-        place = _placement(comm, rendezvous, rank, size, local_rank,
-                           config.rendezvous_timeout_seconds)
+        place = _placement(comm, rendezvous, rank, size, local_rank, config)
         from mpi4py import MPI
 
         if place is not None:
@@ -110,7 +111,7 @@ def init(comm=None, process_sets=None, *, rendezvous: str | None = None,
 
 
 def _placement(comm, address, rank, size, local_rank,
-               timeout: float) -> placement.Placement | None:
+               config: Config) -> placement.Placement | None:
     """This process's place in a job it started itself into, once met with
     the others; None when MPI's launcher placed it (or it runs alone)."""
     if address is not None:
@@ -138,7 +139,8 @@ def _placement(comm, address, rank, size, local_rank,
             f"{place.source} place this process as rank {place.rank} of {place.size}, but MPI "
             f"was started in it before kd.init() (a job of {world}): call kd.init() before "
             "anything imports mpi4py.MPI.")
-    rendezvous_module.join(place, timeout)
+    rendezvous_module.join(place, config.rendezvous_timeout_seconds, config.rendezvous_secret,
+                           config.rendezvous_served_by_launcher)
     return place
 
 

@@ -16,16 +16,19 @@ case under mpiexec).
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from urllib.parse import unquote
 
-from keras_dist._runtime import procfs
+from keras_dist._runtime import procfs, wire
 from keras_dist._runtime.placement import Placement
 from keras_dist.errors import RendezvousError
 
@@ -33,6 +36,9 @@ _SERVER = str(Path(__file__).with_name("pmi_server.py"))
 #: Seconds between attempts to reach a rendezvous that is not listening yet
 #: (rank 0 may start after the others: pods, actors and tasks start in any order).
 _RETRY_SECONDS = (0.05, 1.0)
+#: The variables that may hold the job's secret; a rank removes them from its
+#: environment, so processes it starts do not inherit the secret.
+SECRET_VARIABLES = ("KERAS_DIST_SECRET", "KERAS_DIST_SECRET_FILE")
 
 _joined: Placement | None = None
 
@@ -42,115 +48,206 @@ def joined() -> Placement | None:
     return _joined
 
 
-def _start_server(placement: Placement, timeout: float) -> None:
-    """Rank 0: listens on the rendezvous port and starts the process manager there."""
+@dataclasses.dataclass
+class ProcessManager:
+    """A running process manager (``pmi_server.py``) and the pipe that keeps it:
+    closing the pipe before every rank came calls the start off."""
+
+    process: subprocess.Popen
+    port: int
+    pipe: int | None
+
+    def release(self) -> None:
+        """Lets the manager go on alone: it ends with the job (or, if the job
+        never starts, when its start-up timeout passes)."""
+        if self.pipe is not None:
+            os.close(self.pipe)
+            self.pipe = None
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Its exit status, or None if it still runs after ``timeout`` seconds."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def listen(host: str = "", port: int = 0, backlog: int = 64) -> socket.socket:
+    """A listening socket for a job's process manager, bound once (port 0: any
+    free port) and handed to ``start_process_manager``: never probed, released
+    and bound again."""
+    return socket.create_server((host, port), backlog=backlog)
+
+
+def start_process_manager(listener: socket.socket, size: int, timeout: float,
+                          secret: bytes) -> ProcessManager:
+    """Starts the job's process manager on ``listener`` (which this process
+    then closes: the manager holds it). The secret goes down a pipe, never on
+    a command line or in an environment; the pipe stays open while this
+    process lives, unless ``ProcessManager.release`` closes it."""
+    read_end, write_end = os.pipe()
     try:
-        listener = socket.create_server(("", placement.port), backlog=max(64, placement.size))
+        process = subprocess.Popen(
+            [sys.executable, _SERVER, "--fd", str(listener.fileno()), "--size", str(size),
+             "--timeout", str(timeout)],
+            pass_fds=(listener.fileno(),), stdin=read_end, stdout=subprocess.DEVNULL,
+            close_fds=True, env={name: value for name, value in os.environ.items()
+                                 if name not in SECRET_VARIABLES})
+    except BaseException:
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)
+    os.write(write_end, secret.hex().encode() + b"\n")
+    port = listener.getsockname()[1]
+    listener.close()
+    return ProcessManager(process, port, write_end)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _serve_here(placement: Placement, timeout: float, secret: bytes) -> None:
+    """Rank 0: listens on the rendezvous port and starts the process manager there
+    (on the loopback interface only, when that is where the job meets)."""
+    loopback = _is_loopback(placement.host)
+    if not secret and not loopback:
+        warnings.warn(
+            f"keras_dist: the rendezvous port {placement.port} of this job is open to anyone "
+            f"who can reach this machine ({placement.source} give {placement.address}, not a "
+            "loopback address), and the job has no secret: such a process can stop the job "
+            "from starting or join it. Set KERAS_DIST_SECRET (or KERAS_DIST_SECRET_FILE) to "
+            "the same random value on every rank (see the security page of the docs).",
+            RuntimeWarning, stacklevel=5)  # kd.init()'s caller
+    try:
+        listener = listen("127.0.0.1" if loopback else "", placement.port,
+                          backlog=max(64, placement.size))
     except OSError as error:
         raise RendezvousError(
             f"rank 0 cannot listen on port {placement.port} for the rendezvous "
             f"{placement.address} ({placement.source}): {error}") from None
-    with listener:
-        subprocess.Popen(
-            [sys.executable, _SERVER, "--fd", str(listener.fileno()),
-             "--size", str(placement.size), "--timeout", str(timeout)],
-            pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, close_fds=True)
+    start_process_manager(listener, placement.size, timeout, secret)
 
 
-def _connect(host: str, port: int, deadline: float, placement: Placement,
-             timeout: float) -> socket.socket:
+def _unreachable(placement: Placement, timeout: float, error: BaseException | None):
+    return RendezvousError(
+        f"rank {placement.rank} of {placement.size} could not reach the rendezvous at "
+        f"{placement.address} ({placement.source}) within {timeout:g} s "
+        f"(KERAS_DIST_RENDEZVOUS_TIMEOUT): {error}. Rank 0 listens there from its kd.init() "
+        "on.")
+
+
+def _secrets_differ(placement: Placement) -> RendezvousError:
+    return RendezvousError(
+        f"rank {placement.rank} of {placement.size}: the rendezvous at {placement.address} "
+        f"({placement.source}) and this rank hold different secrets: set the same "
+        "KERAS_DIST_SECRET (or KERAS_DIST_SECRET_FILE) on every rank, or on none.")
+
+
+def _connect(host: str, placement: Placement, deadline: float, timeout: float, secret: bytes,
+             cmd: str, claim: dict) -> tuple[socket.socket, wire.LineReader]:
+    """A connection to the process manager that has proved the secret both
+    ways. Retries until ``deadline`` while nothing listens there yet, or the
+    server closed the connection before the proof (it may have been busy)."""
     pause, last = _RETRY_SECONDS[0], None
     while True:
+        sock = None
         try:
-            sock = socket.create_connection((host, port),
+            sock = socket.create_connection((host, placement.port),
                                             timeout=max(0.1, deadline - time.monotonic()))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock
-        except OSError as error:
+            reader = wire.authenticate(sock, secret, cmd, claim, deadline)
+            return sock, reader
+        except (wire.DeniedError, wire.UnprovenError) as error:
+            if sock is not None:
+                sock.close()
+            if isinstance(error, wire.UnprovenError) and "protocol" in str(error):
+                raise RendezvousError(
+                    f"rank {placement.rank} of {placement.size}: what listens at "
+                    f"{placement.address} ({placement.source}) is not a keras_dist "
+                    f"rendezvous: {error}") from None
+            raise _secrets_differ(placement) from None
+        except OSError as error:  # refused, reset, closed early, timed out
+            if sock is not None:
+                sock.close()
             last = error
         if time.monotonic() + pause > deadline:
-            raise RendezvousError(
-                f"rank {placement.rank} of {placement.size} could not reach the rendezvous at "
-                f"{placement.address} ({placement.source}) within {timeout:g} s "
-                f"(KERAS_DIST_RENDEZVOUS_TIMEOUT): {last}. Rank 0 listens there from its "
-                "kd.init() on.")
+            raise _unreachable(placement, timeout, last)
         time.sleep(pause)
         pause = min(pause * 2, _RETRY_SECONDS[1])
 
 
-def _read_line(sock: socket.socket, buffer: bytearray) -> str | None:
-    while b"\n" not in buffer:
-        data = sock.recv(4096)
-        if not data:
-            return None
-        buffer += data
-    line, _, rest = bytes(buffer).partition(b"\n")
-    buffer[:] = rest
-    return line.decode(errors="replace")
-
-
-def _fields(line: str) -> dict[str, str]:
-    return dict(token.split("=", 1) for token in line.split(" ") if "=" in token)
-
-
-def _greet(sock: socket.socket, placement: Placement, deadline: float, timeout: float) -> None:
+def _greet(host: str, placement: Placement, deadline: float, timeout: float,
+           secret: bytes) -> socket.socket:
     """Says who this rank is and waits until every rank has come."""
-    host = socket.gethostname()
-    sock.sendall(f"cmd=kd_hello rank={placement.rank} size={placement.size} host={host} "
-                 f"pid={os.getpid()}\n".encode())
-    # The server gives up at the timeout and says which ranks are missing:
-    # wait a little longer, to hear that rather than guess.
-    sock.settimeout(max(0.1, deadline + 5.0 - time.monotonic()))
+    claim = {"rank": placement.rank, "size": placement.size, "host": socket.gethostname(),
+             "pid": os.getpid()}
+    sock, reader = _connect(host, placement, deadline, timeout, secret, "kd_hello", claim)
     try:
-        line = _read_line(sock, bytearray())
-    except TimeoutError:
-        line = ""
-    sock.settimeout(None)
-    fields = _fields(line or "")
-    if fields.get("cmd") == "kd_ready":
-        return
-    if fields.get("cmd") == "kd_refuse":
-        raise RendezvousError(f"the rendezvous at {placement.address} ({placement.source}) "
-                              f"refused to start the job: {unquote(fields.get('message', ''))}")
-    what = ("closed the connection" if line is None
-            else f"did not start the job within {timeout:g} s")
-    raise RendezvousError(
-        f"rank {placement.rank} of {placement.size}: the rendezvous at {placement.address} "
-        f"({placement.source}) {what} (KERAS_DIST_RENDEZVOUS_TIMEOUT); its rank 0 may have "
-        "ended.")
+        # The server gives up at the timeout and says which ranks are missing:
+        # wait a little longer, to hear that rather than guess.
+        try:
+            line = reader.line(deadline + 5.0)
+        except TimeoutError:
+            line = b""
+        sock.settimeout(None)
+        fields = wire.parse_line(line or b"")
+        if fields.get("cmd") == "kd_ready" and not reader.buffer:
+            return sock
+        if fields.get("cmd") == "kd_refuse":
+            raise RendezvousError(f"the rendezvous at {placement.address} ({placement.source}) "
+                                  f"refused to start the job: "
+                                  f"{unquote(fields.get('message', ''))}")
+        what = ("closed the connection" if line is None
+                else f"did not start the job within {timeout:g} s")
+        raise RendezvousError(
+            f"rank {placement.rank} of {placement.size}: the rendezvous at "
+            f"{placement.address} ({placement.source}) {what} "
+            "(KERAS_DIST_RENDEZVOUS_TIMEOUT); its rank 0 may have ended.")
+    except BaseException:
+        sock.close()
+        raise
 
 
-def join(placement: Placement, timeout: float) -> None:
+def join(placement: Placement, timeout: float, secret: bytes = b"",
+         served_by_launcher: bool = False) -> None:
     """Meets the other ranks; MPI, initialised next, forms the job with them.
 
     Must run before ``mpi4py.MPI`` is imported in this process.
 
+    Args:
+        placement: where this rank stands and where the job meets.
+        timeout: seconds to wait for every rank.
+        secret: the job's secret (empty: none), which every connection proves.
+        served_by_launcher: the process manager runs already (Ray's and
+            Spark's executors start it): rank 0 connects to it like the others.
+
     Raises:
         RendezvousError: the rendezvous cannot be reached, refuses this
-            process (another world size, a rank taken twice), or not every
-            rank came within ``timeout`` seconds; the message names what was
-            waited for.
+            process (another world size, a rank taken twice, another secret),
+            or not every rank came within ``timeout`` seconds; the message
+            names what was waited for.
     """
     global _joined
     deadline = time.monotonic() + timeout
-    if placement.rank == 0:
-        _start_server(placement, timeout)
+    if placement.rank == 0 and not served_by_launcher:
+        _serve_here(placement, timeout, secret)
         host = "127.0.0.1"
     else:
         host = placement.host
-    sock = _connect(host, placement.port, deadline, placement, timeout)
-    try:
-        _greet(sock, placement, deadline, timeout)
-    except BaseException:
-        sock.close()
-        raise
+    sock = _greet(host, placement, deadline, timeout, secret)
     # MPICH's PMI client takes the connection over, as it takes Hydra's.
     os.environ.update(PMI_FD=str(sock.detach()), PMI_RANK=str(placement.rank),
                       PMI_SIZE=str(placement.size))
     _joined = placement
-    threading.Thread(target=_watch, args=(host, placement), name="keras_dist-rendezvous-watch",
-                     daemon=True).start()
+    threading.Thread(target=_watch, args=(host, placement, secret),
+                     name="keras_dist-rendezvous-watch", daemon=True).start()
 
 
 def mpi_started() -> None:
@@ -159,25 +256,21 @@ def mpi_started() -> None:
         os.environ.pop(name, None)
 
 
-def watch(host: str, port: int, rank: int = -1, timeout: float = 30.0) -> socket.socket:
+def watch(host: str, port: int, secret: bytes, rank: int = -1,
+          timeout: float = 30.0) -> socket.socket:
     """A connection on which the job's process manager at ``host:port`` will
     say which rank failed first (``wait_for_failure``). ``rank``: the watching
     rank, or -1 for a watcher that is not one (an executor that outlives the
-    ranks, to name the failed one).
+    ranks, to name the failed one). ``secret``: the job's.
 
     Raises:
-        OSError: the process manager cannot be reached.
+        OSError: the process manager cannot be reached, or refused the proof.
     """
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
-        sock.sendall(f"cmd=kd_watch rank={rank}\n".encode())
-        # Watching from the answer on: a failure after it is told here.
-        answer = b""
-        while not answer.endswith(b"\n"):
-            byte = sock.recv(1)
-            if not byte:
-                raise ConnectionError(f"the process manager at {host}:{port} closed the watch")
-            answer += byte
+        # Watching from the welcome on: a failure after it is told here.
+        wire.authenticate(sock, secret, "kd_watch", {"rank": rank},
+                          time.monotonic() + timeout)
     except BaseException:
         sock.close()
         raise
@@ -190,20 +283,20 @@ def wait_for_failure(sock: socket.socket) -> tuple[int | None, str] | None:
     manager names the rank that failed first, None when it ended without a
     word (the job finished, or the manager died with rank 0)."""
     try:
-        line = _read_line(sock, bytearray())
+        line = wire.LineReader(sock).line(None)
     except OSError:
         return None
-    fields = _fields(line or "")
+    fields = wire.parse_line(line or b"")
     if fields.get("cmd") != "kd_abort":
         return None
-    rank = fields.get("rank", "")
-    return (int(rank) if rank.isdigit() else None), unquote(fields.get("message", ""))
+    rank = wire.whole(fields, "rank", -1, 1 << 24)
+    return rank, unquote(fields.get("message", ""))
 
 
-def _watch(host: str, placement: Placement) -> None:
+def _watch(host: str, placement: Placement, secret: bytes) -> None:
     """Ends this rank when the server says another rank died or aborted."""
     try:
-        failure = wait_for_failure(watch(host, placement.port, placement.rank))
+        failure = wait_for_failure(watch(host, placement.port, secret, placement.rank))
     except OSError as error:
         failure = None, f"the job's rendezvous at {placement.address} cannot be watched: {error}"
     if _mpi_finalized():

@@ -4,19 +4,24 @@ that tells every rank when one died."""
 
 import socket
 import threading
+import time
 from urllib.parse import unquote
 
 import pytest
 
-from keras_dist._runtime import pmi_server
+from keras_dist._runtime import pmi_server, wire
+
+SECRET = b"0123456789abcdef-test-secret"
 
 
 class Job:
     """A server on a free port, run in a thread; ``connect`` gives a rank's socket."""
 
-    def __init__(self, size, timeout=60.0):
+    def __init__(self, size, timeout=60.0, secret=SECRET):
         self.listener = socket.create_server(("127.0.0.1", 0))
-        self.server = pmi_server.Server(self.listener, size, timeout)
+        self.address = self.listener.getsockname()
+        self.secret = secret
+        self.server = pmi_server.Server(self.listener, size, timeout, secret)
         self.exit_code = None
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -24,25 +29,25 @@ class Job:
     def _serve(self):
         self.exit_code = self.server.serve()
 
-    def connect(self):
-        return Client(socket.create_connection(self.listener.getsockname(), timeout=30))
+    def connect(self, cmd, secret=None, **claim):
+        """A connection that has proved the secret with ``claim``."""
+        sock = socket.create_connection(self.address, timeout=30)
+        reader = wire.authenticate(sock, self.secret if secret is None else secret, cmd,
+                                   claim, time.monotonic() + 30)
+        return Client(sock, reader)
 
     def finish(self):
         self.thread.join(timeout=30)
-        self.listener.close()
         assert not self.thread.is_alive()
         return self.exit_code
 
 
 class Client:
-    def __init__(self, sock):
-        self.sock, self.buffer = sock, b""
+    def __init__(self, sock, reader):
+        self.sock, self.reader = sock, reader
 
     def sendall(self, data):
         self.sock.sendall(data)
-
-    def recv(self, count):
-        return self.sock.recv(count)
 
     def close(self):
         self.sock.close()
@@ -53,19 +58,12 @@ def send(sock, line):
 
 
 def receive(sock):
-    while b"\n" not in sock.buffer:
-        data = sock.recv(4096)
-        if not data:
-            return None
-        sock.buffer += data
-    line, sock.buffer = sock.buffer.split(b"\n", 1)
-    return pmi_server.parse_line(line.decode())
+    line = sock.reader.line(time.monotonic() + 30)
+    return None if line is None else wire.parse_line(line)
 
 
 def greet(job, rank, size, host="h"):
-    sock = job.connect()
-    send(sock, f"cmd=kd_hello rank={rank} size={size} host={host} pid={100 + rank}")
-    return sock
+    return job.connect("kd_hello", rank=rank, size=size, host=host, pid=100 + rank)
 
 
 def ready_ranks(job, size):
@@ -141,10 +139,7 @@ def test_pmi_store_barrier_and_finalize_as_mpich_uses_them():
 
 
 def watch(job, rank):
-    sock = job.connect()
-    send(sock, f"cmd=kd_watch rank={rank}")
-    assert receive(sock) == {"cmd": "kd_watching"}  # registered before anything else
-    return sock
+    return job.connect("kd_watch", rank=rank)  # registered once welcomed
 
 
 def test_a_rank_that_dies_is_named_to_every_watching_rank():
@@ -196,8 +191,8 @@ def test_an_executor_watching_from_outside_hears_the_rank_that_died_first():
 
     job = Job(3)
     ranks = ready_ranks(job, 3)
-    host, port = job.listener.getsockname()
-    outside = rendezvous.watch(host, port)  # rank -1: Ray's and Spark's executors
+    host, port = job.address
+    outside = rendezvous.watch(host, port, SECRET)  # rank -1: Ray's and Spark's executors
     ranks[2].close()
     assert rendezvous.wait_for_failure(outside) == (
         2, "rank 2 (host h, pid 102) ended before MPI finished (its connection to the "
@@ -206,7 +201,7 @@ def test_an_executor_watching_from_outside_hears_the_rank_that_died_first():
     # A job that ends without a failure says nothing.
     clean = Job(1)
     (only,) = ready_ranks(clean, 1)
-    quiet = rendezvous.watch(*clean.listener.getsockname())
+    quiet = rendezvous.watch(*clean.address, SECRET)
     send(only, "cmd=finalize")
     assert receive(only)["cmd"] == "finalize_ack"
     only.close()
