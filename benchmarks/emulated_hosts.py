@@ -23,7 +23,8 @@ hosts through the launcher); ``selfstart`` starts the H*R processes itself,
 each in its host, with torchrun's variables (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` = host 0,
 ``MASTER_PORT``), as a cluster would. ``kdrun`` and ``selfstart`` measure the
-link first too, unless ``--link-seconds 0``.
+link first too, unless ``--link-seconds 0``, and give the processes the rate
+one TCP stream reached in ``KD_EMULATED_LINK_MBPS`` (MB/s).
 
 Every name made here starts with a prefix unique to the run (``--prefix``,
 default ``kdeh`` and 6 random hex digits); every process started here
@@ -51,6 +52,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = REPO_ROOT / "tests" / "faults" / "netns_launcher.sh"
 TAG_ENV = "KD_EMULATED_HOSTS"
+#: What the processes started in the hosts learn the measured link rate from (MB/s).
+LINK_ENV = "KD_EMULATED_LINK_MBPS"
 #: What a self-started job's rank 0 listens on in host 0 (a fresh namespace: free).
 MASTER_PORT = 29500
 
@@ -131,6 +134,8 @@ class EmulatedHosts:
         self.addresses = [f"{self.subnet}.{i + 10}" for i in range(hosts)]
         self.hostnames = [f"{self.prefix}-host{i}" for i in range(hosts)]
         self.delay_applied = False
+        #: What one TCP stream carried between two hosts (MB/s), once measured.
+        self.link_mbytes_per_s: float | None = None
         self._made: list[str] = []
         self._procs: list[subprocess.Popen] = []
         self.scratch = tempfile.mkdtemp(prefix=f"{self.prefix}-")
@@ -232,6 +237,8 @@ class EmulatedHosts:
                     os.pathsep) if p]),
             "PYTHONUNBUFFERED": "1",
         })
+        if self.link_mbytes_per_s:
+            env[LINK_ENV] = f"{self.link_mbytes_per_s:.2f}"
         env.update(extra or {})
         return env
 
@@ -259,7 +266,9 @@ class EmulatedHosts:
         sink_out, _ = sink.communicate(timeout=60)
         measured = dict(item.split("=") for item in sink_out.split()[1:])
         measured.update(item.split("=") for item in source_out.split()[1:])
-        return {key: float(value) for key, value in measured.items()}
+        measured = {key: float(value) for key, value in measured.items()}
+        self.link_mbytes_per_s = measured["mbytes_per_s"]
+        return measured
 
 
 # -- the TCP stream, run inside the hosts ------------------------------------
