@@ -229,8 +229,10 @@ class EmulatedHosts:
             # hydra reaches the other hosts through the launcher, as ssh
             "HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(LAUNCHER),
             "HYDRA_IFACE": "eth0",
-            # MPI and gloo over the host's one interface
-            "UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "eth0", "FI_PROVIDER": "tcp",
+            # MPI and gloo over the host's one interface. Not UCX's shared
+            # memory: UCX sees one machine through the namespaces and would
+            # carry "cross-host" messages in memory, past the shaped link.
+            "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0", "FI_PROVIDER": "tcp",
             "GLOO_SOCKET_IFNAME": "eth0",
             "PYTHONPATH": os.pathsep.join(
                 [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(

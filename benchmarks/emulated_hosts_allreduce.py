@@ -109,12 +109,18 @@ def worker(args) -> int:
     link = float(os.environ.get("KD_EMULATED_LINK_MBPS", "0")) * 1e6
     bus = 2 * (size - 1) / size
 
-    def timed(call, inner: int) -> float:
+    sent = {peer: 0 for peer in peers}  # bytes this host's eth0 sent in timed calls
+    floor = {peer: 0.0 for peer in peers}  # what a ring must send from each host
+
+    def timed(call, inner: int, peer: str, nbytes: int) -> float:
         comm.Barrier()
+        before = _tx_bytes()
         start = time.perf_counter()
         for _ in range(inner):
             call()
         mine = (time.perf_counter() - start) / inner
+        sent[peer] += _tx_bytes() - before
+        floor[peer] += inner * nbytes * 2 * (machines - 1) / machines
         return comm.allreduce(mine, op=MPI.MAX)
 
     def make(count: int):
@@ -142,6 +148,7 @@ def worker(args) -> int:
         return int(comm.allreduce(int(np.count_nonzero(result != expected)), op=MPI.SUM))
 
     machines = len(set(comm.allgather(socket.gethostname())))
+    local = size // machines
     if rank == 0:
         print(f"# {size} ranks on {machines} hosts, "
               f"link {link / 1e6:.1f} MB/s (one TCP stream), "
@@ -152,7 +159,7 @@ def worker(args) -> int:
     bad = {peer: wrong(peer, data, expected) for peer in peers}
     for rep in range(args.reps):
         for peer in peers[rep % len(peers):] + peers[:rep % len(peers)]:
-            lat[peer].append(timed(calls[peer], 200))
+            lat[peer].append(timed(calls[peer], 200, peer, 4))
     if rank == 0:
         print("# 4-byte allreduce latency (us, median): " + "  ".join(
             f"{peer} {statistics.median(lat[peer]) * 1e6:.1f} (#wrong {bad[peer]})"
@@ -173,7 +180,7 @@ def worker(args) -> int:
         times = {peer: [] for peer in peers}
         for rep in range(reps):
             for peer in peers[rep % len(peers):] + peers[:rep % len(peers)]:
-                times[peer].append(timed(calls[peer], inner))
+                times[peer].append(timed(calls[peer], inner, peer, nbytes))
         if rank == 0:
             row = f"{nbytes:>10} {count:>10} {'float':>6} {'sum':>5}"
             ratios = []
@@ -187,10 +194,23 @@ def worker(args) -> int:
         del data, expected
         buffers.clear()
         calls.clear()
+    # Where the bytes went: a host's eth0 must carry at least what a ring sends
+    # (less would mean the data took another way, past the shaped link).
+    wire = comm.gather({peer: sent[peer] / floor[peer] for peer in peers}, root=0)
+    if rank == 0:
+        print("# bytes each host's eth0 sent in the timed calls, over a ring's minimum "
+              "(min..max over hosts' first ranks): " + "  ".join(
+                  f"{peer} {min(w[peer] for w in wire[::local]):.2f}.."
+                  f"{max(w[peer] for w in wire[::local]):.2f}" for peer in peers), flush=True)
     if "gloo" in peers:
         dist.destroy_process_group()
     kd.shutdown()
     return 1 if failures else 0
+
+
+def _tx_bytes() -> int:
+    with open("/sys/class/net/eth0/statistics/tx_bytes") as handle:
+        return int(handle.read())
 
 
 def _transport_name(kd) -> str:
@@ -219,6 +239,7 @@ def main(argv=None) -> int:
         return worker(args)
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
           f"{os.cpu_count()} CPUs, load {' '.join(f'{v:.2f}' for v in os.getloadavg())}; "
+          f"{' '.join(f'{k}={v}' for k, v in os.environ.items() if k.startswith('MPIR_CVAR'))} "
           f"python {' '.join(sys.argv)}", flush=True)
     code = 0
     for layout in args.layouts.split(","):
