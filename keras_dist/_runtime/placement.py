@@ -48,32 +48,42 @@ class Placement:
         return f"{self.host}:{self.port}"
 
 
-def _whole(value, name: str, source: str, minimum: int = 0) -> int:
+def whole_number(value, name: str, source: str = "", minimum: int = 0) -> int:
+    """``value`` (an int, or a string of digits) as an int >= ``minimum``.
+
+    Raises:
+        ValueError: it is not one; the message names ``name`` and ``source``.
+    """
     number = None
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
     elif isinstance(value, str) and value.strip().isdigit():
         number = int(value)
     if number is None or number < minimum:
+        where = f" ({source})" if source else ""
         raise ValueError(f"`{name}` must be a whole number >= {minimum}. "
-                         f"Received: {name}={value!r} ({source})")
+                         f"Received: {name}={value!r}{where}")
     return number
 
 
-def _split_address(address, name: str, source: str) -> tuple[str, int]:
+def split_address(address, name: str, source: str = "") -> tuple[str, int]:
+    """``"host:port"`` -> ``("host", port)``; ``"[::1]:80"`` -> ``("::1", 80)``.
+
+    Raises:
+        ValueError: it is not ``host:port``; the message names ``name``.
+    """
+    where = f" ({source})" if source else ""
     if not isinstance(address, str) or ":" not in address:
-        raise ValueError(f"`{name}` must be \"host:port\". Received: {name}={address!r} "
-                         f"({source})")
+        raise ValueError(f"`{name}` must be \"host:port\". Received: {name}={address!r}{where}")
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     if not host:
-        raise ValueError(f"`{name}` must be \"host:port\". Received: {name}={address!r} "
-                         f"({source})")
+        raise ValueError(f"`{name}` must be \"host:port\". Received: {name}={address!r}{where}")
     return host, _port(port, name, source)
 
 
 def _port(value, name: str, source: str) -> int:
-    port = _whole(value, name, source, minimum=1)
+    port = whole_number(value, name, source, minimum=1)
     if port > 65535:
         raise ValueError(f"`{name}` must be a port in [1, 65535]. Received: {name}={value!r} "
                          f"({source})")
@@ -88,6 +98,16 @@ def _checked(rank: int, size: int, local_rank: int | None, host: str, port: int,
     return Placement(rank, size, host, port, local_rank, source)
 
 
+def torchrun_variables(place: Placement) -> dict[str, str]:
+    """The variables torchrun would give the process at ``place`` (which
+    ``from_environment`` reads back): for executors that start ranks."""
+    variables = {"RANK": str(place.rank), "WORLD_SIZE": str(place.size),
+                 "MASTER_ADDR": place.host, "MASTER_PORT": str(place.port)}
+    if place.local_rank is not None:
+        variables["LOCAL_RANK"] = str(place.local_rank)
+    return variables
+
+
 def from_arguments(rendezvous, rank, size, local_rank=None) -> Placement:
     """The placement ``init(rendezvous=, rank=, size=, local_rank=)`` gives.
 
@@ -98,11 +118,11 @@ def from_arguments(rendezvous, rank, size, local_rank=None) -> Placement:
     if rank is None or size is None:
         raise ValueError("`init(rendezvous=...)` needs `rank` and `size` too. Received: "
                          f"rendezvous={rendezvous!r}, rank={rank!r}, size={size!r}")
-    host, port = _split_address(rendezvous, "rendezvous", source)
-    size = _whole(size, "size", source, minimum=1)
-    rank = _whole(rank, "rank", source)
+    host, port = split_address(rendezvous, "rendezvous", source)
+    size = whole_number(size, "size", source, minimum=1)
+    rank = whole_number(rank, "rank", source)
     if local_rank is not None:
-        local_rank = _whole(local_rank, "local_rank", source)
+        local_rank = whole_number(local_rank, "local_rank", source)
     return _checked(rank, size, local_rank, host, port, source, ("rank", "size"))
 
 
@@ -141,10 +161,10 @@ def _missing(environ: Mapping[str, str], names: tuple[str, ...], source: str) ->
 def _torchrun(environ: Mapping[str, str]) -> Placement:
     source = "torchrun's variables"
     _missing(environ, TORCHRUN_VARIABLES, source)
-    size = _whole(environ["WORLD_SIZE"], "WORLD_SIZE", source, minimum=1)
-    rank = _whole(environ["RANK"], "RANK", source)
+    size = whole_number(environ["WORLD_SIZE"], "WORLD_SIZE", source, minimum=1)
+    rank = whole_number(environ["RANK"], "RANK", source)
     local_rank = environ.get("LOCAL_RANK")
-    local_rank = None if not local_rank else _whole(local_rank, "LOCAL_RANK", source)
+    local_rank = None if not local_rank else whole_number(local_rank, "LOCAL_RANK", source)
     port = _port(environ["MASTER_PORT"], "MASTER_PORT", source)
     if environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
         # torchrun's own agent serves its store on MASTER_PORT: meet one above it.
@@ -156,9 +176,9 @@ def _torchrun(environ: Mapping[str, str]) -> Placement:
 def _kubeflow(environ: Mapping[str, str]) -> Placement:
     source = "Kubeflow Trainer's variables"
     _missing(environ, KUBEFLOW_VARIABLES, source)
-    nodes = _whole(environ["PET_NNODES"], "PET_NNODES", source, minimum=1)
-    node_rank = _whole(environ["PET_NODE_RANK"], "PET_NODE_RANK", source)
-    per_node = _whole(environ.get("PET_NPROC_PER_NODE") or "1", "PET_NPROC_PER_NODE", source,
+    nodes = whole_number(environ["PET_NNODES"], "PET_NNODES", source, minimum=1)
+    node_rank = whole_number(environ["PET_NODE_RANK"], "PET_NODE_RANK", source)
+    per_node = whole_number(environ.get("PET_NPROC_PER_NODE") or "1", "PET_NPROC_PER_NODE", source,
                       minimum=1)
     local_rank = environ.get("LOCAL_RANK")
     if per_node > 1 and not local_rank:
@@ -166,7 +186,7 @@ def _kubeflow(environ: Mapping[str, str]) -> Placement:
             f"PET_NPROC_PER_NODE={per_node} asks for {per_node} processes on each node, and "
             "this process has no LOCAL_RANK: start them with torchrun (which reads PET_*) "
             "or set PET_NPROC_PER_NODE=1.")
-    local_rank = _whole(local_rank, "LOCAL_RANK", source) if local_rank else None
+    local_rank = whole_number(local_rank, "LOCAL_RANK", source) if local_rank else None
     if (local_rank or 0) >= per_node:
         raise ValueError(f"`LOCAL_RANK` must be in [0, PET_NPROC_PER_NODE). Received: "
                          f"LOCAL_RANK={local_rank} (PET_NPROC_PER_NODE={per_node})")

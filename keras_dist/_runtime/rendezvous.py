@@ -80,18 +80,19 @@ def listen(host: str = "", port: int = 0, backlog: int = 64) -> socket.socket:
 
 
 def start_process_manager(listener: socket.socket, size: int, timeout: float,
-                          secret: bytes) -> ProcessManager:
+                          secret: bytes, env: dict[str, str] | None = None) -> ProcessManager:
     """Starts the job's process manager on ``listener`` (which this process
     then closes: the manager holds it). The secret goes down a pipe, never on
     a command line or in an environment; the pipe stays open while this
-    process lives, unless ``ProcessManager.release`` closes it."""
+    process lives, unless ``ProcessManager.release`` closes it. ``env``: the
+    manager's environment (default: this process's), less any secret."""
     read_end, write_end = os.pipe()
     try:
         process = subprocess.Popen(
             [sys.executable, _SERVER, "--fd", str(listener.fileno()), "--size", str(size),
              "--timeout", str(timeout)],
             pass_fds=(listener.fileno(),), stdin=read_end, stdout=subprocess.DEVNULL,
-            close_fds=True, env={name: value for name, value in os.environ.items()
+            close_fds=True, env={name: value for name, value in (env or os.environ).items()
                                  if name not in SECRET_VARIABLES})
     except BaseException:
         os.close(write_end)

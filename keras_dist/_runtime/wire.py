@@ -314,10 +314,12 @@ class LineServer:
             self.lost(conn)
 
     def close_all(self, flush_seconds: float = 2.0) -> None:
-        """Sends what is queued (for at most ``flush_seconds``), then closes
-        every connection and the listener."""
-        if self.listener is not None and self.accept_paused_until is None:
-            self.selector.unregister(self.listener)
+        """Closes the listener and the strangers, sends what is queued to the
+        others (for at most ``flush_seconds``), then closes them."""
+        if self.listener is not None:
+            if self.accept_paused_until is None:
+                self.selector.unregister(self.listener)
+            self.listener.close()
         self.listener = None
         for conn in list(self.strangers):
             self.close(conn)
