@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -69,19 +70,37 @@ SHM_PREFIXES = ("mpich_", "kd-")
 POD = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
 
 
-def indexed_job_variables(index: int) -> dict[str, str]:
+#: Where examples/kubernetes/indexed-job.yaml mounts the job's Secret.
+SECRET_MOUNT = "/etc/keras-dist/secret"
+#: The job's secret in these tests (a Kubernetes Secret's value).
+SECRET = secrets.token_hex(32)
+
+
+def indexed_job_variables(index: int, secret_file: str = SECRET_MOUNT) -> dict[str, str]:
     """The variables examples/kubernetes/indexed-job.yaml gives pod ``index``
-    (``JOB_COMPLETION_INDEX`` from the Job controller)."""
+    (``JOB_COMPLETION_INDEX`` from the Job controller); in the tests the
+    Secret's file is ``secret_file``."""
     return {"RANK": str(index), "WORLD_SIZE": "2", "MASTER_ADDR": f"{INDEXED_JOB}-0.{INDEXED_JOB}",
-            "MASTER_PORT": str(PORT), "JOB_COMPLETION_INDEX": str(index)}
+            "MASTER_PORT": str(PORT), "KERAS_DIST_SECRET_FILE": secret_file,
+            "JOB_COMPLETION_INDEX": str(index)}
 
 
 def trainjob_variables(index: int, per_node: int) -> dict[str, str]:
     """What Kubeflow Trainer's torch plugin gives node ``index`` of a TrainJob of
-    2 nodes, ``numProcPerNode: per_node`` (examples/kubernetes/trainjob.yaml)."""
+    2 nodes, ``numProcPerNode: per_node`` (examples/kubernetes/trainjob.yaml),
+    with the Secret's value as ``KERAS_DIST_SECRET``."""
     return {"PET_NNODES": "2", "PET_NPROC_PER_NODE": str(per_node), "PET_NODE_RANK": str(index),
             "PET_MASTER_ADDR": f"{TRAINJOB}-node-0-0.{TRAINJOB}", "PET_MASTER_PORT": str(PORT),
-            "JOB_COMPLETION_INDEX": str(index)}
+            "KERAS_DIST_SECRET": SECRET, "JOB_COMPLETION_INDEX": str(index)}
+
+
+@pytest.fixture(scope="module")
+def secret_file(tmp_path_factory) -> str:
+    """The job's Secret as a pod sees it mounted (with the newline ``echo`` leaves)."""
+    path = tmp_path_factory.mktemp("secret") / "secret"
+    path.write_text(SECRET + "\n")
+    path.chmod(0o400)
+    return str(path)
 
 
 def operator_hostfile(workers: int) -> str:
@@ -261,6 +280,11 @@ def test_the_indexed_job_manifest_gives_what_its_test_runs():
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2
     pod = job["spec"]["template"]["spec"]
     assert pod["subdomain"] == INDEXED_JOB
+    (volume,) = pod["volumes"]
+    assert volume["secret"]["secretName"] and volume["secret"]["defaultMode"] == 0o400
+    (mount,) = pod["containers"][0]["volumeMounts"]
+    assert mount["name"] == volume["name"] and mount["readOnly"]
+    assert SECRET_MOUNT == f"{mount['mountPath']}/secret"
     assert pod["containers"][0]["command"][:2] == ["python", "/app/mnist/train.py"]
     for index in range(2):
         expected = indexed_job_variables(index)
@@ -276,6 +300,9 @@ def test_the_trainjob_manifest_gives_what_its_test_runs():
     # trainjob_variables(index, 1): Trainer derives PET_* from these.
     assert trainer["numNodes"] == 2 and trainer["numProcPerNode"] == 1
     assert trainer["command"][:2] == ["python", "/app/mnist/train.py"]
+    (secret,) = trainer["env"]
+    assert secret["name"] == "KERAS_DIST_SECRET"
+    assert secret["valueFrom"]["secretKeyRef"]["key"] == "secret"
 
 
 def test_the_mpijob_manifest_gives_what_its_test_runs():
@@ -342,13 +369,14 @@ def test_mpijob_launcher_runs_kdrun_on_the_operators_hostfile(hosts):
 # --- pods that start their processes themselves ---------------------------------------
 
 
-def _pods(kind: str, entries, command: list[str], per_pod: int = 1) -> list[Pod]:
+def _pods(kind: str, entries, command: list[str], secret_file: str,
+          per_pod: int = 1) -> list[Pod]:
     """The processes of a job of 2 pods, started as ``kind`` starts them."""
     pods = []
     for index, (address, namespace, _) in enumerate(entries):
         if kind == "indexed-job":
             hostname, service = f"{INDEXED_JOB}-{index}", INDEXED_JOB
-            variables = [indexed_job_variables(index)]
+            variables = [indexed_job_variables(index, secret_file)]
             if per_pod > 1:  # the pod's command starts its processes, numbered as torchrun does
                 variables = [{**variables[0], "WORLD_SIZE": str(2 * per_pod),
                               "RANK": str(index * per_pod + local), "LOCAL_RANK": str(local)}
@@ -365,13 +393,13 @@ def _pods(kind: str, entries, command: list[str], per_pod: int = 1) -> list[Pod]
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind, per_pod", [
     ("indexed-job", 1), ("trainjob", 1), ("trainjob-torchrun", 2)])
-def test_pods_that_start_their_processes_form_one_job(hosts, kind, per_pod):
+def test_pods_that_start_their_processes_form_one_job(hosts, secret_file, kind, per_pod):
     command = [sys.executable, WORKER, "check"]
     if kind == "trainjob-torchrun":  # `torchrun k8s_worker.py check`: torchrun reads PET_*
         pytest.importorskip("torch")
         command = [sys.executable, "-m", "torch.distributed.run", WORKER, "check"]
     _, fixture_env, _, entries = hosts
-    pods = _pods(kind.partition("-torchrun")[0], entries, command, per_pod)
+    pods = _pods(kind.partition("-torchrun")[0], entries, command, secret_file, per_pod)
     outcome = Pods(pods, _network(fixture_env)).wait(90)
     message = outcome.describe()
     assert outcome.codes == [0, 0] and not outcome.timed_out, message
@@ -391,7 +419,7 @@ def test_pods_that_start_their_processes_form_one_job(hosts, kind, per_pod):
 @netns
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_the_mnist_example_in_an_indexed_job(hosts, tmp_path):
+def test_the_mnist_example_in_an_indexed_job(hosts, secret_file, tmp_path):
     with np.load(MNIST / "mnist_5k.npz") as data:  # a few steps: 768 digits, 3 batches a rank
         np.savez(tmp_path / "digits.npz", x_train=data["x_train"][:768],
                  y_train=data["y_train"][:768], x_test=data["x_test"][:256],
@@ -399,7 +427,8 @@ def test_the_mnist_example_in_an_indexed_job(hosts, tmp_path):
     command = [sys.executable, str(MNIST / "train.py"), "--epochs", "1", "--batch-size", "128",
                "--data", str(tmp_path / "digits.npz"), "--checkpoint-dir", str(tmp_path / "ckpt")]
     _, fixture_env, _, entries = hosts
-    outcome = Pods(_pods("indexed-job", entries, command), _network(fixture_env)).wait(130)
+    outcome = Pods(_pods("indexed-job", entries, command, secret_file),
+                   _network(fixture_env)).wait(130)
     message = outcome.describe()
     assert outcome.codes == [0, 0] and not outcome.timed_out, message
     assert "2 rank(s); 768 training and 256 test digits" in outcome.outputs[0], message
@@ -413,11 +442,11 @@ def test_the_mnist_example_in_an_indexed_job(hosts, tmp_path):
 
 @netns
 @pytest.mark.timeout(120)
-def test_a_process_killed_in_one_pod_ends_every_process_of_both(hosts, tmp_path):
+def test_a_process_killed_in_one_pod_ends_every_process_of_both(hosts, secret_file, tmp_path):
     # Two processes a pod, so that each pod has MPICH's and keras_dist's shared
     # memory to leave behind.
     _, fixture_env, _, entries = hosts
-    pods = _pods("indexed-job", entries, [sys.executable, WORKER, "loop"], per_pod=2)
+    pods = _pods("indexed-job", entries, [sys.executable, WORKER, "loop"], secret_file, per_pod=2)
     job = Pods(pods, {**_network(fixture_env), "K8S_READY_DIR": str(tmp_path)})
     up, mapped = None, False
     try:
