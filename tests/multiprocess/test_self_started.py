@@ -7,6 +7,7 @@ rendezvous that cannot form fails with one sentence; nothing is left behind.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,8 +24,14 @@ QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1",
          "KERAS_DIST_TIMEOUT_SECONDS": "60", "KERAS_DIST_RENDEZVOUS_TIMEOUT": "60"}
 
 
-def mpich_segments():
-    return {name for name in os.listdir("/dev/shm") if name.startswith("mpich_shm_")}
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def mapped_mpich_segments(result) -> set[str]:
+    """The MPICH segments the ranks said they mapped (``UP ... mpich_segments=``)."""
+    return {name for rank in range(len(result.rank_stdout))
+            for match in re.findall(r"mpich_segments=(\S*)", result.output(rank))
+            for name in match.split(",") if name}
 
 
 @pytest.mark.timeout(240)
@@ -70,31 +77,33 @@ def kubeflow_variables(nodes, port):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["torchrun", "kubeflow", "explicit"])
-def test_each_way_of_being_placed_forms_the_job(how):
-    np_, port = 3, free_port()
-    if how == "torchrun":
+def test_each_way_of_being_placed_forms_the_job(how, tmp_path):
+    np_, port, env = 3, free_port(), dict(QUIET)
+    if how == "torchrun":  # with a secret in the environment
         variables, mode = torchrun_variables(np_, port), "report"
-    elif how == "kubeflow":
+        env["KERAS_DIST_SECRET"] = SECRET
+    elif how == "kubeflow":  # with a secret in a file, as a mounted Kubernetes Secret
         variables, mode = kubeflow_variables(np_, port), "report"
+        (tmp_path / "secret").write_text(SECRET + "\n")
+        env["KERAS_DIST_SECRET_FILE"] = str(tmp_path / "secret")
     else:
         def variables(rank):
             return {"KD_TEST_RENDEZVOUS": f"127.0.0.1:{port}", "KD_TEST_RANK": str(rank),
                     "KD_TEST_SIZE": str(np_)}
         mode = "explicit"
-    result = run_self_started([sys.executable, SELF, mode], np=np_, timeout=100, env=QUIET,
+    result = run_self_started([sys.executable, SELF, mode], np=np_, timeout=100, env=env,
                               variables=variables)
     result.check()
     for rank in range(np_):
         # One machine: the shared-memory engine among all of them.
-        assert f"SELF rank={rank} size={np_} local={rank}/{np_} cross=0/1 attempt=- ok" in \
-            result.output(rank), result.describe()
+        assert f"SELF rank={rank} size={np_} local={rank}/{np_} cross=0/1 attempt=- ok " \
+            "secret_left=[]" in result.output(rank), result.describe()
     assert not result.leftovers, result.describe()
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("victim, fault", [(1, "kill"), (0, "kill"), (2, "raise")])
 def test_a_failing_rank_ends_every_rank_naming_it(victim, fault):
-    before = mpich_segments()
     result = run_self_started([sys.executable, SELF, "loop"], np=3, timeout=100,
                               env={**QUIET, "KD_TEST_VICTIM": str(victim),
                                    "KD_TEST_FAULT": fault})
@@ -110,7 +119,10 @@ def test_a_failing_rank_ends_every_rank_naming_it(victim, fault):
             assert "ending this rank" not in result.output(rank), result.describe()
     assert result.returncode != 0
     assert not result.leftovers, result.describe()
-    assert not mpich_segments() - before, "MPICH's shared memory was left behind"
+    segments = mapped_mpich_segments(result)
+    assert segments, f"no rank mapped MPICH's shared memory: {result.describe()}"
+    left = [name for name in segments if os.path.exists(f"/dev/shm/{name}")]
+    assert not left, f"MPICH's shared memory was left behind: {left}"
 
 
 @pytest.mark.timeout(60)
@@ -128,6 +140,29 @@ def test_a_rank_given_another_world_size_stops_the_start_on_every_rank():
             "rank 0 was told 2: every process must be given the same world size" in \
             result.output(rank), result.describe()
         assert "UP rank=" not in result.output(rank)
+    assert not result.leftovers, result.describe()
+
+
+@pytest.mark.timeout(60)
+def test_ranks_given_different_secrets_fail_in_one_sentence_not_a_hang():
+    port = free_port()
+    torchrun = torchrun_variables(2, port)
+
+    def variables(rank):
+        return {**torchrun(rank), "KERAS_DIST_SECRET": SECRET if rank == 0 else SECRET[::-1]}
+    result = run_self_started([sys.executable, SELF, "report"], np=2, timeout=50,
+                              env={**QUIET, "KERAS_DIST_RENDEZVOUS_TIMEOUT": "5"},
+                              variables=variables)
+    assert not result.timed_out and result.returncode != 0, result.describe()
+    assert f"rank 1 of 2: the rendezvous at 127.0.0.1:{port} (torchrun's variables) and this " \
+           "rank hold different secrets: set the same KERAS_DIST_SECRET (or " \
+           "KERAS_DIST_SECRET_FILE) on every rank, or on none." in result.output(1), \
+        result.describe()
+    assert "ranks [1] of 2 did not reach the rendezvous within 5 s" in result.output(0), \
+        result.describe()
+    assert "1 connection(s) did not prove the job's secret" in result.output(0), \
+        result.describe()
+    assert "UP rank=" not in result.output(0) + result.output(1)
     assert not result.leftovers, result.describe()
 
 

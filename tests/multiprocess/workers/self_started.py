@@ -32,7 +32,12 @@ if MODE == "explicit":
 else:
     kd.init()
 rank, size = kd.rank(), kd.size()
-print(f"UP rank={rank} size={size}", flush=True)
+from keras_dist._runtime import procfs  # noqa: E402
+
+# MPICH's shared memory this rank maps (its names are removed once mapped).
+mapped = sorted(name for name in procfs.mapped_files(os.getpid(), "/dev/shm/")
+                if name.startswith("mpich_"))
+print(f"UP rank={rank} size={size} mpich_segments={','.join(mapped)}", flush=True)
 
 if MODE == "restart" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and rank == 1:
     raise RuntimeError("rank 1 fails in the first attempt on purpose")
@@ -46,10 +51,15 @@ if MODE in ("report", "explicit", "restart"):
     np.testing.assert_allclose(summed, reference, rtol=1e-12)
     gathered = kd.allgather(data(rank)[:3].reshape(1, 3))
     np.testing.assert_array_equal(gathered, np.stack([data(r)[:3] for r in range(size)]))
-    assert kd.allgather_object(os.getpid()) == kd.allgather_object(os.getpid())
+    pids = kd.allgather_object(os.getpid())
+    assert len(set(pids)) == size and pids[rank] == os.getpid(), pids  # one process a rank
+    # kd.init() took the job's secret out of the environment of what this rank starts.
+    secret_left = [name for name in ("KERAS_DIST_SECRET", "KERAS_DIST_SECRET_FILE")
+                   if name in os.environ]
     print(f"SELF rank={rank} size={size} local={kd.local_rank()}/{kd.local_size()} "
           f"cross={kd.cross_rank()}/{kd.cross_size()} "
-          f"attempt={os.environ.get('TORCHELASTIC_RESTART_COUNT', '-')} ok", flush=True)
+          f"attempt={os.environ.get('TORCHELASTIC_RESTART_COUNT', '-')} ok "
+          f"secret_left={secret_left}", flush=True)
 elif MODE == "loop":
     victim, fault = int(os.environ["KD_TEST_VICTIM"]), os.environ["KD_TEST_FAULT"]
     values = np.ones(4096)
