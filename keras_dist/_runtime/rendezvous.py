@@ -324,7 +324,7 @@ def release_mpi_segments(local_rank: int) -> None:
     if local_rank != 0:
         return
     for name in procfs.mapped_files(os.getpid(), "/dev/shm/"):
-        if name.startswith(("mpich_shm_", "mpich_shar_tmp")):
+        if name.startswith(procfs.MPICH_SEGMENT_PREFIXES):
             try:
                 os.unlink(f"/dev/shm/{name}")
             except OSError:
