@@ -11,9 +11,11 @@ WORKER = "tests/multiprocess/workers/stall.py"
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["mpi", "shm"])
-def test_late_rank_warns_naming_it_then_completes(transport):
+def test_late_rank_warns_naming_it_then_completes(transport, tmp_path):
+    # Rank 1 joins once ranks 0 and 2 have warned (workers/stall.py).
     result = run_job(["python", WORKER, "late"], np=3, timeout=90, env={
-        "KERAS_DIST_CPU_OPERATIONS": transport, "KERAS_DIST_STALL_CHECK_SECONDS": "1"})
+        "KERAS_DIST_CPU_OPERATIONS": transport, "KERAS_DIST_STALL_CHECK_SECONDS": "1",
+        "STALL_FLAGS": str(tmp_path)})
     result.check()
     for rank in (0, 2):
         output = result.output(rank)
@@ -25,10 +27,12 @@ def test_late_rank_warns_naming_it_then_completes(transport):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["mpi", "shm"])
-def test_missing_rank_times_out_on_the_waiting_ranks(transport):
+def test_missing_rank_times_out_on_the_waiting_ranks(transport, tmp_path):
+    # Rank 1 waits until it is killed: only rank 0's timeout can end the job
+    # before the job's own hard timeout.
     result = run_job(["python", WORKER, "never"], np=2, timeout=90, env={
         "KERAS_DIST_CPU_OPERATIONS": transport, "KERAS_DIST_STALL_CHECK_SECONDS": "1",
-        "KERAS_DIST_TIMEOUT_SECONDS": "3"})
+        "KERAS_DIST_TIMEOUT_SECONDS": "3", "STALL_FLAGS": str(tmp_path)})
+    assert not result.timed_out, result.describe()
     assert result.returncode != 0, result.describe()
     assert "TIMEOUT rank=0" in result.output(0), result.describe()
-    assert result.duration < 45, result.describe()
