@@ -54,7 +54,7 @@ class JobProcessManager:
 
     def first_failure(self) -> tuple[int | None, str] | None:
         """Blocks until the job ends: ``(rank, what happened)`` when a rank
-        failed, None when the manager ended without a word (the job finished,
+        failed, None when the manager ended without a report (the job finished,
         or it never started)."""
         return rendezvous.wait_for_failure(self.watch)
 

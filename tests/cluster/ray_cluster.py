@@ -1,5 +1,5 @@
 """The local multi-node Ray cluster of tests/cluster/test_ray.py and
-tests/cluster/ray_start_timing.py: a head node without CPUs (only Ray's own
+tests/cluster/ray_timing.py: a head node without CPUs (only Ray's own
 services run there) and worker nodes, each a raylet of its own, all on this
 machine."""
 

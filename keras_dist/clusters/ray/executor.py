@@ -41,10 +41,10 @@ from keras_dist.errors import KerasDistError, PeerFailureError
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 #: Seconds the other ranks get to end themselves once one has failed: each
-#: ends within a second of the process manager's word (rendezvous.py); the
+#: ends within a second of the process manager's report (rendezvous.py); the
 #: rest is room for a loaded machine. Those still running then are killed.
 _SURVIVORS_END_SECONDS = 30.0
-#: Seconds to wait for the process manager's word on which rank failed first,
+#: Seconds to wait for the process manager's report of the rank that failed first,
 #: once Ray has reported a dead worker: it is sent the moment that rank's
 #: connection closes.
 _FIRST_FAILURE_WORD_SECONDS = 10.0
@@ -175,7 +175,7 @@ class RayExecutor:
         self._slots: list[Slot] = []
         self._placement_group = None
         self._process_manager = None
-        self._first_failure = None  # the process manager's pending word
+        self._first_failure = None  # the process manager's pending report
         self._ended: str | None = None
 
     # -- the job ----------------------------------------------------------
@@ -435,20 +435,20 @@ class RayExecutor:
     def _end_after_death(self, seen: int, error: Exception, what: str) -> PeerFailureError:
         """A worker died: the process manager says which rank failed first."""
         size = len(self._workers)
-        answered, word = False, None
+        answered, report = False, None
         if self._first_failure is not None:
             ready, _ = ray.wait([self._first_failure], timeout=_FIRST_FAILURE_WORD_SECONDS)
             try:
-                word, answered = (ray.get(ready[0]), True) if ready else (None, False)
+                report, answered = (ray.get(ready[0]), True) if ready else (None, False)
             except ray.exceptions.RayError:
                 answered = False
-        if answered and word is not None and word[0] is not None:
-            rank, reason = word
+        if answered and report is not None and report[0] is not None:
+            rank, reason = report
             message = f"rank {rank} of {size} failed during {what}: {reason}"
-        elif answered and word is None:
+        elif answered and report is None:
             rank = 0
             message = (f"rank 0 of {size} failed during {what}: the job's process manager, "
-                       "which rank 0's worker runs, ended without a word (rank 0's process "
+                       "which rank 0's worker runs, ended without a report (rank 0's process "
                        "or the process manager died)")
         else:
             rank = seen

@@ -25,6 +25,6 @@ class ProcessManagerActor:
 
     def first_failure(self) -> tuple[int | None, str] | None:
         """Blocks until the job ends: ``(rank, what happened)`` when a rank
-        failed, None when the manager ended without a word (after a clean
+        failed, None when the manager ended without a report (after a clean
         shutdown, or killed along with the ranks)."""
         return self.job.first_failure()

@@ -20,7 +20,7 @@ with a ``[rank]`` label) and, at the end, how the process ended
 (``relay.py``). Results travel back with Spark's ``collect()``; when the stage
 fails, the driver waits for every rank's report and raises one
 ``PeerFailureError`` that says rank by rank what happened. Which rank failed
-first is the process manager's word, passed on by rank 0's task.
+first is the process manager's report, passed on by rank 0's task.
 
 Importing this module imports no Spark.
 """
@@ -113,7 +113,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
         PeerFailureError: a rank failed (``fn`` raised, its process was
             killed or exited early); ``peer_rank`` is the rank that failed
             first (the job's process manager says which, through rank 0's
-            task; without its word, the lowest rank that failed). The message
+            task; without its report, the lowest rank that failed). The message
             says rank by rank how each ended, with ``fn``'s traceback or the
             last lines of its stderr; the exception ``fn`` raised on that rank
             is its ``__cause__``.
@@ -293,13 +293,13 @@ class DriverRelay(wire.LineServer):
         if not failed:
             return KerasDistError(f"keras_dist.spark.run: the Spark job failed before any rank "
                                   f"reported a failure: {_spark_reason(error)}"), error
-        word = next((outcome["first_failure"] for outcome in failed.values()
+        report = next((outcome["first_failure"] for outcome in failed.values()
                      if outcome.get("first_failure")), None)
-        # Without the process manager's word (the job had not formed, or rank
+        # Without the process manager's report (the job had not formed, or rank
         # 0's task did not fail or was stopped first): the lowest rank that
         # failed. Before the job forms, no rank ends because of another.
-        first = word["rank"] if word else min(failed)
-        what = failed[first]["summary"] if first in failed else word["message"]
+        first = report["rank"] if report else min(failed)
+        what = failed[first]["summary"] if first in failed else report["message"]
         lines = [f"keras_dist.spark.run: rank {first} of {self.size} failed first ({what}); "
                  f"{len(failed)} of {self.size} ranks failed:"]
         lines += [relay.describe(rank, self.size, failed[rank]["where"], failed[rank]["summary"],
@@ -307,7 +307,7 @@ class DriverRelay(wire.LineServer):
         lines += [f"rank {rank} of {self.size}: its Spark task was stopped before its process "
                   "ended (Spark stops every task of a barrier stage when one fails)"
                   for rank in stopped]
-        lines += [f"rank {rank} of {self.size}: no word from its Spark task (stopped before "
+        lines += [f"rank {rank} of {self.size}: nothing heard from its Spark task (stopped before "
                   "it started its process, or it could not reach the driver)"
                   for rank in unheard]
         return PeerFailureError("\n".join(lines), peer_rank=first), _exception(failed.get(first))

@@ -35,7 +35,7 @@ class Outcome:
         details: ``fn``'s traceback, or the last lines of the process's stderr.
         raised: ``fn`` raised an exception (rather than the process dying).
         exception: the exception ``fn`` raised, cloudpickled, when it can be.
-        first_failure: rank 0's task only: the process manager's word on the
+        first_failure: rank 0's task only: the process manager's report of the
             rank that failed first, ``{"rank": R, "message": ...}``.
     """
 

@@ -42,8 +42,8 @@ _STDERR_TAIL_LINES = 20
 #: How long a task tries to reach the driver before it runs without relaying.
 _CONNECT_SECONDS = 10.0
 #: Once rank 0's process failed, how long its task waits for the process
-#: manager's word on which rank failed first (sent the moment it saw it).
-_FIRST_FAILURE_WORD_SECONDS = 5.0
+#: manager's report of the rank that failed first (sent the moment it saw it).
+_FIRST_FAILURE_REPORT_SECONDS = 5.0
 #: How long a task waits for the last lines of its process once it ended.
 _DRAIN_SECONDS = 10.0
 #: Variables of torchrun's agent that would move the rendezvous port.
@@ -151,7 +151,7 @@ class _FirstFailure:
     def _listen(self, manager: JobProcessManager) -> None:
         self.failure = manager.first_failure()
 
-    def word(self, timeout: float) -> dict | None:
+    def report(self, timeout: float) -> dict | None:
         """``{"rank": R, "message": ...}`` once the manager named the rank that
         failed first; None when it did not within ``timeout`` seconds."""
         self.thread.join(timeout)
@@ -196,7 +196,7 @@ def _run_process(job: Job, place: Placement, task_relay: TaskRelay,
         outcome = _read_outcome(workdir, status, f"pid {process.pid} on {host}", list(tail))
         if first is not None and outcome.summary is not None:
             outcome = dataclasses.replace(outcome,
-                                          first_failure=first.word(_FIRST_FAILURE_WORD_SECONDS))
+                                          first_failure=first.report(_FIRST_FAILURE_REPORT_SECONDS))
         return outcome
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
