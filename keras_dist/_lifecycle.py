@@ -128,13 +128,11 @@ def _placement(comm, address, rank, size, local_rank,
         place = placement.from_environment(os.environ)
     if place is None or place.size == 1:
         return None  # alone: MPI starts as a singleton, no one to meet
-    if rendezvous_module.joined() == place:
-        return place  # MPI formed this job already (init after shutdown)
     started = sys.modules.get("mpi4py.MPI")
     if started is not None and started.Is_initialized():
         world = started.COMM_WORLD.Get_size()
-        if world == place.size and rendezvous_module.joined() is None:
-            return None  # an MPI launcher placed it after all
+        if world == place.size:
+            return place  # MPI formed this job already (an init after shutdown, or joined first)
         raise RendezvousError(
             f"{place.source} place this process as rank {place.rank} of {place.size}, but MPI "
             f"was started in it before kd.init() (a job of {world}): call kd.init() before "

@@ -40,14 +40,6 @@ _RETRY_SECONDS = (0.05, 1.0)
 #: environment, so processes it starts do not inherit the secret.
 SECRET_VARIABLES = ("KERAS_DIST_SECRET", "KERAS_DIST_SECRET_FILE")
 
-_joined: Placement | None = None
-
-
-def joined() -> Placement | None:
-    """The placement this process's MPI job was formed with, or None."""
-    return _joined
-
-
 @dataclasses.dataclass
 class ProcessManager:
     """A running process manager (``pmi_server.py``) and the pipe that keeps it:
@@ -235,7 +227,6 @@ def join(placement: Placement, timeout: float, secret: bytes = b"",
             or not every rank came within ``timeout`` seconds; the message
             names what was waited for.
     """
-    global _joined
     deadline = time.monotonic() + timeout
     if placement.rank == 0 and not served_by_launcher:
         _serve_here(placement, timeout, secret)
@@ -246,7 +237,6 @@ def join(placement: Placement, timeout: float, secret: bytes = b"",
     # MPICH's PMI client takes the connection over, as it takes Hydra's.
     os.environ.update(PMI_FD=str(sock.detach()), PMI_RANK=str(placement.rank),
                       PMI_SIZE=str(placement.size))
-    _joined = placement
     threading.Thread(target=_watch, args=(host, placement, secret),
                      name="keras_dist-rendezvous-watch", daemon=True).start()
 
