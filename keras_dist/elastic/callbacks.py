@@ -13,7 +13,7 @@ class _StateCallback(keras.callbacks.Callback):
     def __init__(self, state) -> None:
         super().__init__()
         self.state = state
-        self.progress = state._progress
+        self.progress = state.progress
 
     def on_train_begin(self, logs=None):
         # Called by each elastic callback; the same result every time.

@@ -66,7 +66,7 @@ class ElasticData:
         self.batch_size = batch_size
         self.shuffle_seed = shuffle_seed
         self.state = state
-        state._progress.data = self
+        state.progress.data = self
 
     def global_batch(self) -> int:
         return self.batch_size * context.get().size
@@ -94,7 +94,7 @@ class ElasticData:
         stands (the epoch and the samples already trained on) on."""
         group = context.get()
         epoch = getattr(self.state, "epoch", 0)
-        start = self.state._progress.resume_samples()
+        start = self.state.progress.resume_samples()
         global_batch = self.global_batch()
         # The last global batch, of the epoch being resumed and of whole epochs.
         for last in ((self.num_samples - start) % global_batch, self.num_samples % global_batch):

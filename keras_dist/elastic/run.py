@@ -49,7 +49,7 @@ def run(func):
             if group.config.elastic_job is None:
                 raise
             _end_for_resize(state)
-        _finish(state)
+        state.discard_commits()  # training is over, after every rank is done
         return result
 
     return wrapper
@@ -59,22 +59,10 @@ def _end_for_resize(state) -> None:
     """Saves the current state as a commit on every machine and ends the rank
     cleanly (``SystemExit(0)``: what follows the training function in the
     script does not run); kdrun relaunches the job on the new hosts."""
-    state.save()
-    state._commit_number += 1
-    state._write_commit()
+    state.save_commit()
     ops.barrier()  # every machine has written before any rank reports
     jobstatus.record_resize()
     _lifecycle.shutdown()
     # A normal exit, not os._exit: MPI must be finalised, or the process
     # manager takes the exit for a crash and kills the other ranks.
     raise SystemExit(0)
-
-
-def _finish(state) -> None:
-    """Training is over: this machine's commits go (after every rank is done)."""
-    store = state._store()
-    if store is None:
-        return
-    ops.barrier()
-    if context.get().local_rank == 0:
-        store.remove_job()

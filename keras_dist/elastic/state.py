@@ -83,10 +83,35 @@ class State:
         A commit copies the whole state: commit every few batches, not every
         one, when the model is large.
         """
+        self.save_commit()
+        self.check_host_updates()
+
+    def save_commit(self) -> None:
+        """Saves the state as the next commit (in memory and, in an elastic
+        job, on this machine): ``commit`` without the check for new hosts."""
         self.save()
         self._commit_number += 1
         self._write_commit()
-        self.check_host_updates()
+
+    def discard_commits(self) -> None:
+        """Training is over: this machine's commits go, once every rank is done
+        (a collective in an elastic job; nothing to do outside one)."""
+        store = self._store()
+        if store is None:
+            return
+        ops.barrier()
+        if context.get().local_rank == 0:
+            store.remove_job()
+
+    @property
+    def commit_number(self) -> int:
+        """The number of the last commit (0: none yet)."""
+        return self._commit_number
+
+    @property
+    def progress(self) -> Progress:
+        """What the elastic callbacks and data track of the epoch (``progress.Progress``)."""
+        return self._progress
 
     def check_host_updates(self) -> None:
         """Raises ``HostsUpdatedInterrupt`` on every rank when kdrun has

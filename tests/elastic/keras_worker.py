@@ -111,7 +111,7 @@ class Recorder(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         # Called before CommitStateCallback's: the commit made after this batch
         # is the next one (every batch commits).
-        note(epoch=self.epoch, batch=batch, commit=state._commit_number + 1,
+        note(epoch=self.epoch, batch=batch, commit=state.commit_number + 1,
              ids=yielded[self.trained])
         self.trained += 1
         time.sleep(batch_sleep)

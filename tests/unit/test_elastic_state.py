@@ -111,7 +111,7 @@ def _fit(track, model, epochs, first_epoch, steps, stop_at=None):
 @pytest.mark.parametrize("style", ["epochs-minus-state", "initial-epoch"])
 def test_counters_whatever_fit_is_given(style):
     state = ObjectState(epoch=2, batch=0)
-    track = state._progress
+    track = state.progress
     track.track_batch = track.track_epoch = True
     if style == "initial-epoch":
         seen = _fit(track, _Model(), 4, 2, 3)
@@ -126,7 +126,7 @@ def test_resumed_epoch_runs_the_steps_left_at_a_new_size():
     """A commit at 2 ranks after 2 of 6 steps: at 1 rank (12 steps a
     epoch) the epoch goes on for the 8 steps left, then fit goes on."""
     state = ObjectState(epoch=1, batch=2)
-    track = state._progress
+    track = state.progress
     track.track_batch = track.track_epoch = True
     track.restore({"steps": 6, "done": 2, "samples": None}, size=2)
     model = _Model()
@@ -138,7 +138,7 @@ def test_resumed_epoch_runs_the_steps_left_at_a_new_size():
 
 def test_commit_after_the_last_batch_resumes_at_the_next_epoch():
     state = ObjectState(epoch=0, batch=6)
-    track = state._progress
+    track = state.progress
     track.track_batch = track.track_epoch = True
     track.restore({"steps": 6, "done": 6, "samples": None}, size=2)
     assert (state.epoch, state.batch) == (1, 0) and track.resume is None
