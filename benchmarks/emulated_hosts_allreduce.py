@@ -15,8 +15,10 @@ checked exactly (float32 inputs holding small integers, so every order of
 summation gives the same sum) once per size, untimed. The time of a call is
 the slowest rank's; the table gives medians, in nccl-tests' columns (``size
 count type redop time algbw busbw #wrong``, busbw = algbw * 2(n-1)/n) per
-peer, and each peer's busbw as a fraction of the link (what one TCP stream
-between two hosts carried). A 4-byte allreduce's latency opens each layout.
+peer, and each peer's bus bandwidth over the hosts (algbw * 2(H-1)/H, H hosts:
+what each host's link must carry) as a fraction of the link (what one TCP
+stream between two hosts carried): 1.0 is the link's speed. A 4-byte
+allreduce's latency opens each layout.
 
 ``--worker`` is the rank program (what the driver runs in the hosts).
 """
@@ -61,7 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-e", "--max-bytes", type=parse_size, default=256 << 20)
     parser.add_argument("-f", "--factor", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5, help="timed rounds per size")
-    parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help="of kd, mpi, gloo and ring (a pipelined ring over MPI "
+                        "point-to-point, in this script)")
+    parser.add_argument("--segment", type=parse_size, default=1 << 20,
+                        help="the ring's segment (default 1M)")
+    parser.add_argument("--latency-calls", type=int, default=200,
+                        help="4-byte calls per timed round of the latency line")
+    parser.add_argument("--link-seconds", default="2",
+                        help="how long the link is measured (the harness's option)")
     parser.add_argument("--launch", choices=["kdrun", "selfstart"], default="kdrun",
                         help="start the ranks with kdrun's host file or self-started")
     parser.add_argument("--timeout", type=float, default=900)
@@ -129,9 +139,19 @@ def worker(args) -> int:
                            np.float32)
         expected = np.resize(pattern, count)
         recv = np.empty_like(data)
-        calls["kd"] = lambda: buffers.__setitem__("kd", kd.allreduce(data, op=kd.Sum))
+        def kd_call():
+            # The previous result is dropped first, as a training step drops
+            # the last step's reduced gradients (kd reuses its memory).
+            buffers["kd"] = None
+            buffers["kd"] = kd.allreduce(data, op=kd.Sum)
+
+        calls["kd"] = kd_call
         calls["mpi"] = lambda: comm.Allreduce(data, recv, MPI.SUM)
         buffers["mpi"] = recv
+        if "ring" in peers:
+            ring_out = np.empty_like(data)
+            buffers["ring"] = ring_out
+            calls["ring"] = lambda: _ring_allreduce(comm, data, ring_out, args.segment)
         if "gloo" in peers:
             tensor = torch.from_numpy(data.copy())
             buffers["gloo"] = tensor
@@ -149,6 +169,9 @@ def worker(args) -> int:
 
     machines = len(set(comm.allgather(socket.gethostname())))
     local = size // machines
+    # What each host's link must carry per byte reduced (a ring over the hosts):
+    # the hosts' bus bandwidth over the link is 1.0 at the link's speed.
+    across = 2 * (machines - 1) / machines
     if rank == 0:
         print(f"# {size} ranks on {machines} hosts, "
               f"link {link / 1e6:.1f} MB/s (one TCP stream), "
@@ -159,7 +182,7 @@ def worker(args) -> int:
     bad = {peer: wrong(peer, data, expected) for peer in peers}
     for rep in range(args.reps):
         for peer in peers[rep % len(peers):] + peers[:rep % len(peers)]:
-            lat[peer].append(timed(calls[peer], 200, peer, 4))
+            lat[peer].append(timed(calls[peer], args.latency_calls, peer, 4))
     if rank == 0:
         print("# 4-byte allreduce latency (us, median): " + "  ".join(
             f"{peer} {statistics.median(lat[peer]) * 1e6:.1f} (#wrong {bad[peer]})"
@@ -189,7 +212,7 @@ def worker(args) -> int:
                 algbw = nbytes / seconds / 1e9
                 row += (f" | {seconds * 1e6:>14.1f} {algbw:>7.3f} {algbw * bus:>7.3f}"
                         f" {bad[peer]:>6}")
-                ratios.append(f"{algbw * bus * 1e9 / link:>9.2f}" if link else f"{'-':>9}")
+                ratios.append(f"{algbw * across * 1e9 / link:>9.2f}" if link else f"{'-':>9}")
             print(row + " | " + " ".join(ratios), flush=True)
         del data, expected
         buffers.clear()
@@ -206,6 +229,38 @@ def worker(args) -> int:
         dist.destroy_process_group()
     kd.shutdown()
     return 1 if failures else 0
+
+
+def _ring_allreduce(comm, send, out, segment: int) -> None:
+    """A sum over a ring of MPI point-to-point messages, ``segment`` bytes each,
+    every segment of a step posted at once and reduced as it arrives."""
+    import numpy as np
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    np.copyto(out, send)
+    chunks = np.array_split(out, size)
+    right, left = (rank + 1) % size, (rank - 1) % size
+    per = max(1, segment // out.itemsize)
+    scratch = np.empty(chunks[0].size, out.dtype)
+    for step in range(size - 1):  # reduce-scatter
+        mine, theirs = chunks[(rank - step) % size], chunks[(rank - step - 1) % size]
+        starts = range(0, theirs.size, per)
+        recvs = [comm.Irecv(scratch[i:i + per][:theirs.size - i], left, tag=step)
+                 for i in starts]
+        sends = [comm.Isend(mine[i:i + per], right, tag=step) for i in range(0, mine.size, per)]
+        for _ in starts:
+            index = MPI.Request.Waitany(recvs)
+            i = list(starts)[index]
+            theirs[i:i + per] += scratch[i:i + per][:theirs.size - i]
+        MPI.Request.Waitall(sends)
+    for step in range(size - 1):  # allgather
+        mine, theirs = chunks[(rank - step + 1) % size], chunks[(rank - step) % size]
+        recvs = [comm.Irecv(theirs[i:i + per], left, tag=size + step)
+                 for i in range(0, theirs.size, per)]
+        sends = [comm.Isend(mine[i:i + per], right, tag=size + step)
+                 for i in range(0, mine.size, per)]
+        MPI.Request.Waitall(recvs + sends)
 
 
 def _tx_bytes() -> int:
@@ -246,10 +301,12 @@ def main(argv=None) -> int:
         hosts, ranks = (int(v) for v in layout.split("x"))
         print(f"\n## {hosts} hosts x {ranks} rank(s), {args.rate}", flush=True)
         forwarded = [f"--min-bytes={args.min_bytes}", f"--max-bytes={args.max_bytes}",
-                     f"--factor={args.factor}", f"--reps={args.reps}", f"--peers={args.peers}"]
+                     f"--factor={args.factor}", f"--reps={args.reps}", f"--peers={args.peers}",
+                     f"--segment={args.segment}", f"--latency-calls={args.latency_calls}"]
         done = subprocess.run(
             [sys.executable, str(HERE / "emulated_hosts.py"), "--hosts", str(hosts),
-             "--ranks-per-host", str(ranks), "--rate", args.rate, "--timeout",
+             "--ranks-per-host", str(ranks), "--rate", args.rate,
+             "--link-seconds", args.link_seconds, "--timeout",
              str(args.timeout), args.launch, "--", sys.executable, __file__, "--worker",
              *forwarded],
             env={**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})

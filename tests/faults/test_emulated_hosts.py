@@ -1,14 +1,18 @@
 """The emulated-hosts harness (benchmarks/emulated_hosts.py), run small: two
 network-namespace hosts on a bridge, each host's egress shaped to 1 Gbit/s;
 a job started through kdrun's host file and one whose processes start
-themselves, each checking an allreduce against float64; and nothing left
-afterwards, whether the run ends by itself or is stopped.
+themselves, each checking an allreduce against float64; nothing left
+afterwards, whether the run ends by itself or is stopped; and the cross-host
+allreduce benchmark (benchmarks/emulated_hosts_allreduce.py), run tiny, with
+every peer's result checked.
 
 Needs root, ``ip netns``, ``tc`` and ``unshare``; skipped otherwise.
 """
 
+import importlib.util
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -122,3 +126,24 @@ def test_a_stopped_run_leaves_nothing():
     assert "# cleanup: nothing left" in rest, message
     assert leftovers(prefix) == [], message
     assert not any(_alive(pid) for pid in pids), message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_cross_host_benchmark_checks_every_peer():
+    peers = "kd,mpi,gloo" if importlib.util.find_spec("torch") else "kd,mpi"
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "emulated_hosts_allreduce.py"),
+         "--layouts", "2x1", "-b", "4K", "-e", "64K", "-f", "16", "--reps", "1",
+         "--peers", peers, "--latency-calls", "10", "--link-seconds", "0.5",
+         "--timeout", "100"],
+        capture_output=True, text=True, timeout=130, env=ENV)
+    message = f"rc={done.returncode}\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, message
+    rows = [line.split("|") for line in done.stdout.splitlines()
+            if re.match(r"^\[0\]\s+\d+\s+\d+\s+float\s+sum", line)]
+    assert [int(row[0].split()[1]) for row in rows] == [4096, 65536], message
+    for row in rows:  # every peer's #wrong is 0
+        assert [cells.split()[-1] for cells in row[1:1 + len(peers.split(","))]] == \
+            ["0"] * len(peers.split(",")), message
+    assert "# cleanup: nothing left" in done.stdout, message
