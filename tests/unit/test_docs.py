@@ -1,4 +1,5 @@
-"""The README stays a newcomer's page, and no link of the docs points nowhere.
+"""The README stays a newcomer's page, no link of the docs points nowhere, and every
+install line works from a clone.
 
 The docs site itself is built by ``mkdocs build --strict`` in CI (``.ci/run``),
 not here: these checks need nothing beyond the standard library.
@@ -74,3 +75,32 @@ def test_relative_links_point_at_files_that_exist(path):
         if not (path.parent / file_part).exists():
             missing.append(target)
     assert not missing, f"{path.relative_to(ROOT)} links to files that do not exist: {missing}"
+
+
+# A pip install's arguments: up to the end of its command (&&, ;, |, a comment, a code span).
+_PIP_INSTALL = re.compile(r"pip3? install\b([^\n`&;|#]*)")
+# keras-dist or keras_dist as a requirement (extras, a version): a name on a package
+# index, where the project is not published (a clone installs itself as ".[extras]").
+_FROM_INDEX = re.compile(r"^keras[-_]dist(\[[^\]]*\])?([<>=!~].*)?$", re.IGNORECASE)
+
+
+def _installs_from_an_index(line):
+    return any(_FROM_INDEX.match(argument.strip("\"'"))
+               for arguments in _PIP_INSTALL.findall(line) for argument in arguments.split())
+
+
+def test_an_install_from_an_index_is_recognised():
+    assert _installs_from_an_index('pip install "keras-dist[ray]"  # Ray')
+    assert _installs_from_an_index("pip install -U keras_dist==0.1 && kdrun")
+    assert not _installs_from_an_index('pip install ".[ray,mpich]"  # from a clone of keras_dist')
+    assert not _installs_from_an_index("pip install -e . && pytest tests/keras_dist")
+
+
+@pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_install_lines_install_from_the_clone(path):
+    lines = [f"{number}: {line.strip()}"
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if _installs_from_an_index(line)]
+    assert not lines, (
+        f"{path.relative_to(ROOT)} installs keras-dist from a package index, where it is not "
+        f'published: install the clone with pip install ".[extras]". Received: {lines}')
