@@ -146,34 +146,18 @@ def _secrets_differ(placement: Placement) -> RendezvousError:
 def _connect(host: str, placement: Placement, deadline: float, timeout: float, secret: bytes,
              cmd: str, claim: dict) -> tuple[socket.socket, wire.LineReader]:
     """A connection to the process manager that has proved the secret both
-    ways. Retries until ``deadline`` while nothing listens there yet, or the
-    server closed the connection before the proof (it may have been busy)."""
-    pause, last = _RETRY_SECONDS[0], None
-    while True:
-        sock = None
-        try:
-            sock = socket.create_connection((host, placement.port),
-                                            timeout=max(0.1, deadline - time.monotonic()))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            reader = wire.authenticate(sock, secret, cmd, claim, deadline)
-            return sock, reader
-        except (wire.DeniedError, wire.UnprovenError) as error:
-            if sock is not None:
-                sock.close()
-            if isinstance(error, wire.UnprovenError) and "protocol" in str(error):
-                raise RendezvousError(
-                    f"rank {placement.rank} of {placement.size}: what listens at "
-                    f"{placement.address} ({placement.source}) is not a keras_dist "
-                    f"rendezvous: {error}") from None
-            raise _secrets_differ(placement) from None
-        except OSError as error:  # refused, reset, closed early, timed out
-            if sock is not None:
-                sock.close()
-            last = error
-        if time.monotonic() + pause > deadline:
-            raise _unreachable(placement, timeout, last)
-        time.sleep(pause)
-        pause = min(pause * 2, _RETRY_SECONDS[1])
+    ways (``wire.connect``: it tries again until ``deadline``)."""
+    try:
+        return wire.connect((host, placement.port), secret, cmd, claim, deadline,
+                            _RETRY_SECONDS)
+    except wire.ForeignServerError as error:
+        raise RendezvousError(
+            f"rank {placement.rank} of {placement.size}: what listens at {placement.address} "
+            f"({placement.source}) is not a keras_dist rendezvous: {error}") from None
+    except (wire.DeniedError, wire.UnprovenError):
+        raise _secrets_differ(placement) from None
+    except OSError as error:
+        raise _unreachable(placement, timeout, error) from None
 
 
 def _greet(host: str, placement: Placement, deadline: float, timeout: float,
@@ -255,16 +239,13 @@ def watch(host: str, port: int, secret: bytes, rank: int = -1,
     ranks, to name the failed one). ``secret``: the job's.
 
     Raises:
-        OSError: the process manager cannot be reached, or refused the proof.
+        OSError: the process manager cannot be reached within ``timeout``
+            seconds, or refused the proof.
     """
-    sock = socket.create_connection((host, port), timeout=timeout)
-    try:
-        # Watching from the welcome on: a failure after it is told here.
-        wire.authenticate(sock, secret, "kd_watch", {"rank": rank},
-                          time.monotonic() + timeout)
-    except BaseException:
-        sock.close()
-        raise
+    # Watching from the welcome on: a failure after it is told here. A busy
+    # server may drop the connection before the proof: it is tried again.
+    sock, _ = wire.connect((host, port), secret, "kd_watch", {"rank": rank},
+                           time.monotonic() + timeout, _RETRY_SECONDS)
     sock.settimeout(None)
     return sock
 

@@ -69,6 +69,10 @@ class UnprovenError(ConnectionError):
     """The peer is not a keras_dist server of this job: it did not prove the secret."""
 
 
+class ForeignServerError(UnprovenError):
+    """The peer does not speak keras_dist's rendezvous protocol at all."""
+
+
 def parse_line(raw: bytes | str) -> dict[str, str]:
     """``b"cmd=put key=a value=b"`` -> ``{"cmd": "put", "key": "a", "value": "b"}``.
 
@@ -180,8 +184,8 @@ def authenticate(sock: socket.socket, secret: bytes, cmd: str, claim: dict[str, 
     challenge = parse_line(raw)
     job, server_nonce = challenge.get("job", ""), challenge.get("nonce", "")
     if challenge.get("cmd") != "kd_challenge" or not _NONCE.fullmatch(server_nonce):
-        raise UnprovenError(f"the server did not speak keras_dist's rendezvous protocol "
-                            f"(its first line: {raw[:80]!r})")
+        raise ForeignServerError(f"the server did not speak keras_dist's rendezvous protocol "
+                                 f"(its first line: {raw[:80]!r})")
     client_nonce = secrets.token_hex(16)
     fields = {"cmd": cmd, **{key: str(value) for key, value in claim.items()},
               "nonce": client_nonce}
@@ -198,6 +202,41 @@ def authenticate(sock: socket.socket, secret: bytes, cmd: str, claim: dict[str, 
     if answer.get("cmd") != "kd_welcome" or not _matches(answer.get("mac", ""), expected):
         raise UnprovenError("the server did not prove that it holds the job's secret")
     return reader
+
+
+def connect(address: tuple[str, int], secret: bytes, cmd: str, claim: dict[str, str],
+            deadline: float, pauses: tuple[float, float] = (0.05, 1.0),
+            ) -> tuple[socket.socket, LineReader]:
+    """A connection to the server at ``address`` that has proved the secret both
+    ways (``authenticate``). Tries again, pausing ``pauses[0]`` seconds and
+    doubling up to ``pauses[1]``, until ``deadline`` (``time.monotonic()``)
+    while nothing listens there yet or the server closed the connection
+    before the proof (a busy server drops the oldest connections that have
+    not proved themselves yet).
+
+    Raises:
+        DeniedError, UnprovenError: at once (the secrets differ; not this job's
+            server, or ``ForeignServerError``: not a keras_dist server at all).
+        OSError: the last error, once ``deadline`` has passed.
+    """
+    pause = pauses[0]
+    while True:
+        sock = None
+        try:
+            sock = socket.create_connection(address,
+                                            timeout=max(0.1, deadline - time.monotonic()))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock, authenticate(sock, secret, cmd, claim, deadline)
+        except (DeniedError, UnprovenError):
+            sock.close()
+            raise
+        except OSError:  # refused, reset, closed before the proof, timed out
+            if sock is not None:
+                sock.close()
+            if time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, pauses[1])
 
 
 class Connection:
@@ -225,7 +264,7 @@ class LineServer:
     proven connection closed).
     """
 
-    max_unauthenticated = 128
+    max_unauthenticated = 256
     handshake_seconds = 5.0
     #: Longest line from a proven connection.
     line_bytes = 64 << 10

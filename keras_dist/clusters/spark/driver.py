@@ -153,7 +153,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
             raise failure from cause
         driver_relay.wait_for_reports(_REPORT_WAIT_SECONDS)
     finally:
-        driver_relay.close()
+        driver_relay.stop()
     if verbose:
         driver_relay.say(f"{num_proc} processes finished in {time.monotonic() - started:.1f} s")
     return [pickle.loads(data) for _, data in sorted(gathered, key=lambda item: item[0])]
@@ -312,7 +312,7 @@ class DriverRelay(wire.LineServer):
                   for rank in unheard]
         return PeerFailureError("\n".join(lines), peer_rank=first), _exception(failed.get(first))
 
-    def close(self) -> None:
+    def stop(self) -> None:
         """Stops serving and closes every connection and the port."""
         self.stopping.set()
         self.thread.join()

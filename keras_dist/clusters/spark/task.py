@@ -252,13 +252,8 @@ class TaskRelay:
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
         try:
-            sock = socket.create_connection(job.driver, timeout=_CONNECT_SECONDS)
-            try:
-                wire.authenticate(sock, job.secret.encode(), "kd_relay", {"rank": rank},
-                                  time.monotonic() + _CONNECT_SECONDS)
-            except BaseException:
-                sock.close()
-                raise
+            sock, _ = wire.connect(job.driver, job.secret.encode(), "kd_relay", {"rank": rank},
+                                   time.monotonic() + _CONNECT_SECONDS)
             sock.settimeout(None)
             self.sock = sock
         except OSError as error:
