@@ -6,28 +6,23 @@ computes itself; here we only require every rank to report success.
 
 import pytest
 
-from tests._mp import run_job
-
-WORKER = "tests/multiprocess/workers/collectives.py"
-TF_QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
+from tests.multiprocess._shared_jobs import TEST_TIMEOUT, suite_output
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("transport, np_, ranks_per_node", [
-    # Odd sizes on the shm engine and the hierarchical transport, whose
-    # splitting is ours; the MPI transport passes sizes to MPICH as they are.
-    ("mpi", 1, None), ("mpi", 2, None), ("shm", 2, None), ("shm", 3, None),
-    ("shm", 3, "2"),  # hierarchical: pretend machines of 2 + 1 ranks
+@pytest.mark.timeout(TEST_TIMEOUT)
+@pytest.mark.parametrize("transport, np_", [
+    # Odd sizes on the shm engine and the hierarchical transport (pretend
+    # machines of 2 + 1 ranks), whose splitting is ours; the MPI transport
+    # passes sizes to MPICH as they are (tests/multiprocess/_shared_jobs.py).
+    ("mpi", 1), ("mpi", 2), ("shm", 2), ("shm", 3), ("hierarchical", 3),
 ])
-def test_every_collective_on_every_rank(transport, np_, ranks_per_node):
-    result = run_job(WORKER, np=np_, timeout=200,
-                     env={**TF_QUIET, "KERAS_DIST_CPU_OPERATIONS": transport,
-                          "KERAS_DIST_RANKS_PER_NODE": ranks_per_node})
-    result.check()
-    expected = "local" if np_ == 1 else "hierarchical" if ranks_per_node else transport
-    per_machine = int(ranks_per_node or np_)
+def test_every_collective_on_every_rank(transport, np_, tf_job):
+    result = tf_job(np_)
+    expected = "local" if np_ == 1 else transport
+    per_machine = 2 if transport == "hierarchical" else np_
     for rank in range(np_):
         # cross_size: how many machines have a rank with this rank's local rank.
         cross_size = sum(1 for r in range(np_) if r % per_machine == rank % per_machine)
         assert f"COLLECTIVES OK rank={rank} size={np_} transport={expected} " \
-            f"cross_size={cross_size}" in result.output(rank), result.describe()
+            f"cross_size={cross_size}" in suite_output(result, f"collectives-{transport}", rank), \
+            result.describe()

@@ -12,33 +12,25 @@ computes independently; here each check must be reported passed by every rank.
 """
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests._mp import run_job
+from tests.multiprocess._shared_jobs import HOROVOD_SUITES, TEST_TIMEOUT, suite_output
 
 WORKERS = Path(__file__).with_name("workers")
-SUITES = {"tape.py": "TAPE", "sync_batch_norm.py": "SYNCBN", "keras_api.py": "KERASAPI",
-          "optimizer_options.py": "OPTOPTS", "exchange.py": "EXCHANGE"}
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize("np_", [1, 2, 3])
-def test_checks_on_every_rank(np_):
-    # Every suite in one job (workers/horovod_suites.py): one start-up for all.
-    runner = WORKERS / "horovod_suites.py"
-    result = run_job([sys.executable, str(runner), *sorted(SUITES)], np=np_, timeout=360,
-                     env={"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1",
-                          "KERAS_DIST_TIMEOUT_SECONDS": "60"})
-    message = result.describe()
-    for worker in sorted(SUITES):
-        checks = re.findall(r"^def (test_\w+)", (WORKERS / worker).read_text(), flags=re.M)
-        assert checks, worker
-        for rank in range(np_):
-            output = result.output(rank)
-            for check in checks:
-                assert f"{SUITES[worker]} {check} passed rank={rank}" in output, (
-                    f"{worker}: {check} on rank {rank}\n{message}")
-    result.check()
+@pytest.mark.parametrize("worker", sorted(HOROVOD_SUITES))
+def test_checks_on_every_rank(worker, np_, tf_job):
+    # Every suite in the shared TensorFlow job of np_ ranks (tests/multiprocess/_shared_jobs.py).
+    result = tf_job(np_)
+    checks = re.findall(r"^def (test_\w+)", (WORKERS / worker).read_text(), flags=re.M)
+    assert checks, worker
+    for rank in range(np_):
+        output = suite_output(result, f"horovod-{worker}", rank)
+        for check in checks:
+            assert f"{HOROVOD_SUITES[worker]} {check} passed rank={rank}" in output, (
+                f"{worker}: {check} on rank {rank}\n{result.describe()}")

@@ -10,30 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from tests._mp import run_job
+from tests.multiprocess._shared_jobs import TEST_TIMEOUT, suite_output
 
 WORKER = Path(__file__).with_name("workers") / "join.py"
-TRANSPORTS = {
-    "shm": {"KERAS_DIST_CPU_OPERATIONS": "shm"},
-    "mpi": {"KERAS_DIST_CPU_OPERATIONS": "mpi"},
-    # Two "machines" of one and two ranks: shm inside, MPI between them.
-    "hierarchical": {"KERAS_DIST_CPU_OPERATIONS": "shm", "KERAS_DIST_RANKS_PER_NODE": "2"},
-}
+# Transports (tests/multiprocess/_shared_jobs.py): shm, mpi, and two "machines" of
+# one and two ranks (shm inside, MPI between them); at 3 ranks the TF path only on shm.
 CASES = [(1, "shm"), (2, "shm"), (2, "mpi"), (3, "shm"), (3, "mpi"), (3, "hierarchical")]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize(("np_", "transport"), CASES, ids=[f"np{n}-{t}" for n, t in CASES])
-def test_join_on_every_rank(np_, transport):
+def test_join_on_every_rank(np_, transport, tf_job):
     checks = re.findall(r"^def (test_\w+)", WORKER.read_text(), flags=re.M)
-    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1",
-           "KERAS_DIST_TIMEOUT_SECONDS": "60", **TRANSPORTS[transport]}
-    if np_ == 3 and transport != "shm":
-        env["JOIN_SKIP_TF"] = "1"  # the TF path is the same code; keep the run short
-    result = run_job(str(WORKER), np=np_, timeout=200, env=env)
-    message = result.describe()
+    result = tf_job(np_)
     for rank in range(np_):
+        output = suite_output(result, f"join-{transport}", rank)
         for check in checks:
-            assert f"JOIN {check} passed rank={rank}" in result.output(rank), (
-                f"{check} on rank {rank}\n{message}")
-    result.check()
+            assert f"JOIN {check} passed rank={rank}" in output, (
+                f"{check} on rank {rank}\n{result.describe()}")

@@ -10,11 +10,8 @@ every test.
 
 import pytest
 
-from tests._mp import run_job
+from tests.multiprocess._shared_jobs import TEST_TIMEOUT, suite_output
 
-WORKER = "tests/multiprocess/workers/tf_api.py"
-TF_QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1",
-            "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
 TESTS = ["test_gradients_eager_function_and_graph", "test_model_parallel_tape_in_function",
          "test_second_order_gradient",
          "test_legacy_average_flag", "test_integer_and_half_scaling", "test_indexed_slices",
@@ -24,17 +21,15 @@ TESTS = ["test_gradients_eager_function_and_graph", "test_model_parallel_tape_in
          "test_mismatches_are_failed_preconditions"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize("np_", [1, 2, 3])
-def test_tensorflow_api_on_every_rank(np_):
-    # At 3 ranks, two virtual machines (2 + 1 ranks): the hierarchical
-    # transport, and a job that is not homogeneous.
-    per_node = {"KERAS_DIST_RANKS_PER_NODE": "2"} if np_ == 3 else {}
-    result = run_job(WORKER, np=np_, timeout=260,
-                     env={**TF_QUIET, **per_node, "KERAS_DIST_TIMEOUT_SECONDS": "60"})
-    result.check()
+def test_tensorflow_api_on_every_rank(np_, tf_job):
+    # workers/tf_api.py in the shared TensorFlow job of np_ ranks
+    # (tests/multiprocess/_shared_jobs.py); at 3 ranks on two pretend machines
+    # (2 + 1 ranks): the hierarchical transport, and a job that is not homogeneous.
+    result = tf_job(np_)
     for rank in range(np_):
-        output = result.output(rank)
+        output = suite_output(result, "tf_api", rank)
         for test in TESTS:
             assert f"SUITE {test} passed rank={rank}" in output, result.describe()
         assert f"TF API OK rank={rank} size={np_}" in output, result.describe()

@@ -7,22 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from tests._mp import run_job
+from tests.multiprocess._shared_jobs import TEST_TIMEOUT, suite_output
 
 WORKER = Path(__file__).with_name("workers") / "tf_kernel.py"
 
 
-@pytest.mark.timeout(200)
-def test_the_op_on_every_rank():
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_the_op_on_every_rank(tf_job):
+    # In the shared TensorFlow job of 2 ranks, on the shm engine with 1 MiB
+    # slots (tests/multiprocess/_shared_jobs.py).
     checks = re.findall(r"^def (test_\w+)", WORKER.read_text(), flags=re.M)
-    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1",
-           "KERAS_DIST_TIMEOUT_SECONDS": "60", "KERAS_DIST_CPU_OPERATIONS": "shm",
-           # 1 MiB slots: the 1.2 MB tensor's bucket goes in windows.
-           "KERAS_DIST_SHM_SLOT_BYTES": str(1 << 20)}
-    result = run_job(str(WORKER), np=2, timeout=150, env=env)
-    message = result.describe()
+    result = tf_job(2)
     for rank in range(2):
+        output = suite_output(result, "tf_kernel", rank)
         for check in checks:
-            assert f"TFOP {check} passed rank={rank}" in result.output(rank), (
-                f"{check} on rank {rank}\n{message}")
-    result.check()
+            assert f"TFOP {check} passed rank={rank}" in output, (
+                f"{check} on rank {rank}\n{result.describe()}")
