@@ -9,6 +9,12 @@ raises ``PeerFailureError``, as does a peer on this machine that has closed
 its transport (left the group), a long wait warns (``StallWarning``) naming the
 ranks that have not joined, and ``KERAS_DIST_TIMEOUT_SECONDS`` turns it into
 ``CollectiveTimeoutError``.
+
+The check is an allgather of each rank's digest of its call plus
+``CARRIED_BYTES`` of data: an allreduce that small (a scalar, a loss, a
+metric) travels in the check and every rank reduces the gathered rows itself,
+in rank order, so it costs one collective, not two. Across machines each
+collective is a network round trip.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ from keras_dist.transports.base import Transport
 
 #: Arrival-board value of a rank that has closed its transport (left the group).
 _LEFT = -1
+#: Bytes of data each rank's check carries: an allreduce this small travels in
+#: its check and is reduced locally, one collective in place of two (across
+#: machines each collective is a network round trip).
+CARRIED_BYTES = 64
 
 
 class MpiTransport(Transport):
@@ -66,6 +76,13 @@ class MpiTransport(Transport):
             _vocab.MAX: MPI.MAX,
             _vocab.PRODUCT: MPI.PROD,
         }
+        #: The same reductions over the rows of a carried allreduce.
+        self._local_ops = {
+            _vocab.SUM: np.add,
+            _vocab.MIN: np.minimum,
+            _vocab.MAX: np.maximum,
+            _vocab.PRODUCT: np.multiply,
+        }
         # Arrival board: one int64 per local rank in shared memory, holding the
         # number of collectives that rank has entered, or _LEFT once it closed.
         self._board_window = MPI.Win.Allocate_shared(8, 8, comm=local_comm)
@@ -93,15 +110,19 @@ class MpiTransport(Transport):
     def _departed_ranks(self) -> list[int]:
         return [rank for rank, board in zip(self._board_ranks, self._board) if board[0] == _LEFT]
 
-    def _enter(self, kind: str, signature: str) -> None:
-        """Counts the collective on the board and checks every rank agrees on it."""
-        signatures = self.agree(kind, signature)
+    def _enter(self, kind: str, signature: str, carried: np.ndarray | None = None):
+        """Counts the collective on the board and checks every rank agrees on it.
+
+        Returns every rank's ``carried`` bytes, one row per rank (see ``_check``).
+        """
+        signatures, rows = self._check(kind, signature, carried)
         if signatures is not None:
             detail = "; ".join(f"rank {self._names[r]}: {s}" for r, s in enumerate(signatures))
             raise CollectiveMismatchError(
                 f"Ranks called different collectives at call #{self._sequence} "
                 f"(transport mpi). {detail}"
             )
+        return rows
 
     def agree(self, kind: str, description) -> list | None:
         """Checks that every rank called this with an equal ``description``.
@@ -117,20 +138,34 @@ class MpiTransport(Transport):
         Returns:
             None when all agree, else every rank's ``description`` in rank order.
         """
+        return self._check(kind, description, None)[0]
+
+    def _check(self, kind: str, description, carried: np.ndarray | None):
+        """``agree``, whose one collective also carries up to ``CARRIED_BYTES`` of
+        data from every rank (``carried``, any contiguous array, or None).
+
+        Returns:
+            ``(None or every rank's description, rows)``: ``rows[r]`` holds
+            rank r's carried bytes (then zeros).
+        """
         self._sequence += 1
         what = f"{kind} (check of call #{self._sequence})"
         self._waiter.check_departed(what)  # before posting a call nobody would answer
         self._board[self._local_rank][0] = self._sequence
         digest = int.from_bytes(
             hashlib.blake2b(repr(description).encode(), digest_size=7).digest(), "little")
-        check = np.array([digest, -digest], np.int64)
-        self._waiter.wait(self.comm.Iallreduce(self._mpi.IN_PLACE, check, self._mpi.MAX).Test,
-                          what)
-        if check[0] == digest and -check[1] == digest:
-            return None
+        row = np.zeros(8 + CARRIED_BYTES, np.uint8)
+        row[:8] = np.frombuffer(digest.to_bytes(8, "little"), np.uint8)
+        if carried is not None:
+            data = carried.reshape(-1).view(np.uint8)
+            row[8:8 + data.size] = data
+        rows = np.empty((self.comm.Get_size(), row.size), np.uint8)
+        self._waiter.wait(self.comm.Iallgather(row, rows).Test, what)
+        if (rows[:, :8] == row[:8]).all():
+            return None, rows[:, 8:]
         # Every rank has entered this check (its result needed them all), so
         # every rank makes this call too.
-        return self.comm.allgather(description)
+        return self.comm.allgather(description), rows[:, 8:]
 
     # Once the check has passed, every rank has entered this very collective,
     # so the data moves through MPI's blocking call: MPI drives its own
@@ -140,8 +175,17 @@ class MpiTransport(Transport):
 
     def allreduce(self, buf: np.ndarray, op: int, name: str | None = None,
                   send: np.ndarray | None = None) -> None:
-        self._enter("allreduce", f"allreduce op={_vocab.OP_NAMES[op]} dtype={buf.dtype.name} "
-                    f"count={buf.size} {name or ''}")
+        source = buf if send is None else send
+        carry = buf.nbytes <= CARRIED_BYTES and not _vocab.is_half(buf.dtype)
+        rows = self._enter("allreduce", f"allreduce op={_vocab.OP_NAMES[op]} "
+                           f"dtype={buf.dtype.name} count={buf.size} {name or ''}",
+                           np.ascontiguousarray(source) if carry else None)
+        if carry:
+            # Every rank reduces the same rows in the same order: equal results.
+            values = rows[:, :buf.nbytes].copy().view(buf.dtype)
+            reduced = self._local_ops[op].reduce(values, axis=0, dtype=buf.dtype)
+            buf[...] = reduced.reshape(buf.shape)
+            return
         mpi_op = self._ops[op]
         if _vocab.is_half(buf.dtype):
             wide = (buf if send is None else send).astype(np.float32)
