@@ -106,6 +106,41 @@ def wake_when_a_rank_ends(procs, path):
         threading.Thread(target=wait, args=(proc,), daemon=True).start()
 
 
+class Control:
+    """The test's end of the workers' control socket: rank 0 says ``up`` there
+    once the job has formed, and stops training once told (or once the test
+    closes it)."""
+
+    def __init__(self):
+        self.scratch = tempfile.TemporaryDirectory(prefix="kdatk-")
+        self.path = os.path.join(self.scratch.name, "control")
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.listener.bind(self.path)
+        self.listener.listen(1)
+        self.listener.settimeout(120)
+        self.told = None
+        self.command = [sys.executable, WORKER, self.path]
+
+    def wait_until_up(self, procs):
+        """Until rank 0 says the job is up; raises when a rank of ``procs`` ends first."""
+        wake_when_a_rank_ends(procs, self.path)
+        self.told, _ = self.listener.accept()
+        self.told.settimeout(120)
+        said = self.told.recv(6)
+        assert said == b"up\n", f"rank 0 did not say the job is up: {said!r}"
+
+    def stop(self):
+        """Tells rank 0 to stop: every rank ends at the same step."""
+        if self.told is not None:
+            try:
+                self.told.sendall(b"stop\n")
+            except OSError:
+                pass  # rank 0 has ended already
+            self.told.close()
+        self.listener.close()
+        self.scratch.cleanup()
+
+
 @pytest.fixture
 def many_descriptors():
     """Room for CONNECTIONS_HELD connections in this process."""
@@ -133,15 +168,10 @@ def test_a_stranger_gets_nothing_and_the_job_trains_to_the_end(size, with_secret
     env = {**QUIET, "KERAS_DIST_SECRET": SECRET if with_secret else None,
            "KERAS_DIST_SECRET_FILE": None}
     torchrun = torchrun_variables(size, port)
-    scratch = tempfile.TemporaryDirectory(prefix="kdatk-")
-    control = socket.socket(socket.AF_UNIX)
-    control.bind(os.path.join(scratch.name, "control"))
-    control.listen(1)
-    control.settimeout(120)
-    command = [sys.executable, WORKER, os.path.join(scratch.name, "control")]
+    control = Control()
     stranger = Stranger(port)
-    first = start_self_started(command, np=1, env=env, variables=lambda _: torchrun(0))
-    others = told = failure = None
+    first = start_self_started(control.command, np=1, env=env, variables=lambda _: torchrun(0))
+    others = failure = None
     try:
         until_listening(port, time.monotonic() + 60)
         manager = process_manager_of(first.procs[0].pid)
@@ -151,13 +181,9 @@ def test_a_stranger_gets_nothing_and_the_job_trains_to_the_end(size, with_secret
                 thread = stranger.guarded(case, lambda c: stranger.before_every_rank(c, size))
                 thread.start()
                 thread.join()
-        others = start_self_started(command, np=size - 1, env=env,
+        others = start_self_started(control.command, np=size - 1, env=env,
                                     variables=lambda index: torchrun(index + 1))
-        wake_when_a_rank_ends(first.procs + others.procs, control.getsockname())
-        told, _ = control.accept()
-        told.settimeout(120)
-        said = told.recv(6)
-        assert said == b"up\n", f"rank 0 did not say the job is up: {said!r}"
+        control.wait_until_up(first.procs + others.procs)
         rss_before = peak_rss_kib(manager)
         threads = [stranger.guarded(case, getattr(stranger, name))
                    for case, name in CASES.items()]
@@ -170,14 +196,10 @@ def test_a_stranger_gets_nothing_and_the_job_trains_to_the_end(size, with_secret
         thread.join()
         stranger.still_answers("after")
         rss_peak = peak_rss_kib(manager)
-        told.sendall(b"stop\n")
     except Exception as error:  # noqa: BLE001 - shown below with every rank's output
         failure = error
-    if told is not None:
-        told.close()  # rank 0 stops at its next step, told or not
+    control.stop()
     results = [first.wait(120)] + ([others.wait(60)] if others is not None else [])
-    control.close()
-    scratch.cleanup()
     described = "\n".join(result.describe() for result in results)
     assert failure is None, f"{failure!r}\n{described}"
     for result in results:
@@ -247,30 +269,17 @@ def test_a_connection_flood_during_start_up_ends_no_rank():
     drops its unproven connection for a newer one) and train to the end."""
     port = free_port()
     env = {**QUIET, "KERAS_DIST_SECRET": SECRET, "KERAS_DIST_SECRET_FILE": None}
-    scratch = tempfile.TemporaryDirectory(prefix="kdatk-")
-    control = socket.socket(socket.AF_UNIX)
-    control.bind(os.path.join(scratch.name, "control"))
-    control.listen(1)
-    control.settimeout(100)
-    command = [sys.executable, WORKER, os.path.join(scratch.name, "control")]
-    told = failure = None
+    control = Control()
+    failure = None
     with Flood(port) as flood:
-        job = start_self_started(command, np=2, env=env,
+        job = start_self_started(control.command, np=2, env=env,
                                  variables=torchrun_variables(2, port))
-        wake_when_a_rank_ends(job.procs, control.getsockname())
         try:
-            told, _ = control.accept()
-            told.settimeout(100)
-            said = told.recv(6)
-            assert said == b"up\n", f"rank 0 did not say the job is up: {said!r}"
+            control.wait_until_up(job.procs)
         except Exception as error:  # noqa: BLE001 - shown below with every rank's output
             failure = error
-    if told is not None:
-        told.sendall(b"stop\n")
-        told.close()
+    control.stop()
     result = job.wait(100)
-    control.close()
-    scratch.cleanup()
     assert failure is None and result.returncode == 0 and not result.timed_out, (
         f"a flood of {flood.opened} connections during the start ended the job (a rank's "
         f"greeting or watch dropped by the server for a newer stranger must be tried again): "
