@@ -17,6 +17,7 @@ import selectors
 import socket
 import threading
 import time
+from urllib.parse import unquote
 
 from keras_dist._runtime import wire
 
@@ -294,6 +295,28 @@ class Stranger:
                                  (b"", "no secret")):
                     self.say(case, f"kd_hello rank={rank} size={claimed} with {how}",
                              greeting(rank, claimed, key), denied=True)
+
+    def proven_without_secret(self, case, size):
+        """With no secret, anyone proves the empty key: such a stranger, once the
+        job runs, watches and says ``abort`` (a watcher only listens), and greets
+        as a rank (a latecomer is refused alone). It hears its welcome and, as a
+        latecomer, its refusal: nothing of the job."""
+        watcher = self.connect()
+        wire.authenticate(watcher, b"", "kd_watch", {"rank": 0}, time.monotonic() + PATIENCE)
+        watcher.sendall(b"cmd=abort exitcode=1 message=a%20stranger%20aborts\n")
+        watcher.close()
+        latecomer = self.connect()
+        reader = wire.authenticate(latecomer, b"", "kd_hello",
+                                   {"rank": size - 1, "size": size, "host": "x", "pid": 1},
+                                   time.monotonic() + PATIENCE)
+        heard = [reader.line(time.monotonic() + PATIENCE)]
+        while heard[-1] is not None:
+            heard.append(reader.line(time.monotonic() + PATIENCE))
+        latecomer.close()
+        answers = [wire.parse_line(line) for line in heard[:-1]]
+        if [answer.get("cmd") for answer in answers] != ["kd_refuse"] or \
+                "has started already" not in unquote(answers[0].get("message", "")):
+            self.problem(case, f"a proven latecomer heard {heard!r}")
 
     def still_answers(self, case):
         """The server still challenges and refuses a newcomer."""

@@ -21,7 +21,9 @@ that a real rank will claim. With the job's secret set, every stranger hears
 the challenge and ``kd_denied`` and nothing else (never ``kd_ready``,
 ``kd_welcome`` or a store value) and the job trains to the end. Without a
 secret, (a)-(f) still leave the job alone ((g) and (h) cannot be told from a
-misconfigured rank then). And a stranger that opens connections as fast as
+misconfigured rank then), and so does a stranger that proves the empty key,
+as anyone can then: its watch and ``abort`` are not heard, its greeting as a
+latecomer is refused alone. And a stranger that opens connections as fast as
 it can while the ranks start (each new one drops the oldest unproven one)
 ends no rank: a rank's greeting or watch that was dropped is tried again.
 The process manager's peak RSS (VmHWM) stays under 64 MiB under all of it
@@ -194,6 +196,10 @@ def test_a_stranger_gets_nothing_and_the_job_trains_to_the_end(size, with_secret
         thread = stranger.guarded("d", stranger.hold)  # alone: it evicts the others' strangers
         thread.start()
         thread.join()
+        if not with_secret:
+            thread = stranger.guarded("proven", lambda c: stranger.proven_without_secret(c, size))
+            thread.start()
+            thread.join()
         stranger.still_answers("after")
         rss_peak = peak_rss_kib(manager)
     except Exception as error:  # noqa: BLE001 - shown below with every rank's output
@@ -212,7 +218,7 @@ def test_a_stranger_gets_nothing_and_the_job_trains_to_the_end(size, with_secret
         assert found, described
         steps.add(found.group(1))
     assert len(steps) == 1, f"the ranks stopped at different steps: {steps}\n{described}"
-    cases = [*(["g", "h"] if with_secret else []), *CASES, "d", "after"]
+    cases = [*(["g", "h"] if with_secret else ["proven"]), *CASES, "d", "after"]
     for case in cases:
         assert not stranger.problems.get(case), (
             f"case ({case}): " + "\n".join(stranger.problems[case][:20]))
