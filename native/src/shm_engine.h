@@ -177,23 +177,25 @@ class ShmEngine {
   void begin_broadcast(size_t nbytes, int root, std::string_view name);
   void begin_allgatherv(const std::vector<uint64_t>& counts_bytes, std::string_view name);
   // The first step alone: publish the header, wait, compare.
-  void header_step();
+  inline void header_step();
   // Raises PeerFailureError if local rank p has left the group (leave()).
   void check_departed(int p, const std::string& where);
-  void publish();
+  inline void publish();
   void wait_all();
   void check_headers();
   // Poisons the segment: every rank's current or next wait raises.
   void fail(const char* reason);
   [[noreturn]] void raise_aborted(int32_t rank, const std::string& where);
-  void ensure_usable();
+  inline void ensure_usable();
   std::string describe_missing(const std::vector<int>& missing) const;
   std::string rank_label(int local) const;
   std::string current_collective() const;
 
-  RankCtl* ctl(int rank) const;
-  void prefetch_peers() const;
-  uint8_t* data(int rank, int which) const;
+  inline RankCtl* ctl(int rank) const;
+  inline void prefetch_peers() const;
+  uint8_t* data(int rank, int which) const {
+    return base_ + data_offset_ + (size_t(rank) * 2 + size_t(which)) * half_bytes_;
+  }
   void reduce_small(void* buf, const void* send, size_t nbytes, DType dtype, Op op);
   // One window [w0, w1) of allreduce_parts' message: its two steps (with the
   // header check when `first`), as one chunk of reduce_chunked.
@@ -204,11 +206,11 @@ class ShmEngine {
   void reduce_single_copy(uint8_t* buf, const uint8_t* send, size_t nbytes, DType dtype, Op op);
   void probe_single_copy();
   // The path this collective takes; every rank must take the same one.
-  uint32_t choose_path(size_t nbytes, bool in_slot) const;
+  inline uint32_t choose_path(size_t nbytes, bool in_slot) const;
   // Copies nbytes at `remote` in local rank p's address space to `local`.
   void read_peer(int p, void* local, uint64_t remote, size_t nbytes);
   // Collects every rank's published addresses of the current collective.
-  void load_peer_addresses();
+  inline void load_peer_addresses();
 
   EngineOptions opt_;
   EngineHooks hooks_;

@@ -15,16 +15,14 @@
 // buffers through the entry the TensorFlow op uses
 // (keras_dist_tf_allreduce_entry, plans.cc). Outputs alias their inputs
 // (the step's fresh gradients), so the allreduce runs in place.
+#include "plans.h"
+
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
-
-extern "C" int keras_dist_tf_allreduce_entry(int64_t plan, int count, const void* const* srcs,
-                                             void* const* dsts, const size_t* nbytes,
-                                             char* message, size_t message_bytes);
 
 namespace {
 
