@@ -61,6 +61,14 @@ def uses_weight_decay(optimizer, variable) -> bool:
     return optimizer._use_weight_decay(variable)
 
 
+def exclude_from_weight_decay(optimizer, variable) -> None:
+    """Excludes ``variable`` from ``optimizer``'s weight decay as well, keeping the
+    exclusions made so far (``exclude_from_weight_decay`` replaces them)."""
+    excluded = set(getattr(optimizer, "_exclude_from_weight_decay", set()))
+    optimizer._exclude_from_weight_decay = excluded | {optimizer._var_key(variable)}
+    optimizer._exclude_from_weight_decay_cache = {}
+
+
 def loss_scale_apply(optimizer, grads, trainable_variables) -> None:
     """Runs ``LossScaleOptimizer``'s step on ``optimizer``, a subclass of it.
 

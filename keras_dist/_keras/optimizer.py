@@ -10,6 +10,7 @@ from keras import ops
 from keras_dist import _compat as compat
 from keras_dist import _vocab
 from keras_dist._keras import backends
+from keras_dist._keras import zero
 from keras_dist._keras.callbacks import backup_and_restore  # noqa: F401  (see its docstring)
 from keras_dist._keras.gradients import (
     GradientReduction,
@@ -65,6 +66,7 @@ class _LocalState:
         self.variables: set[int] = set()  # ids of registered local variables
         self.layers: list = []  # local layers, their weights read at each step
         self.pending: tuple | None = None  # gradients `compute_gradients` reduced
+        self.shards: zero.Shards | None = None  # this rank's share (shard_optimizer_state)
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -116,6 +118,15 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             built; `True` or `False` force it on or off.
         initial_scale: first loss scale, when loss scaling.
         dynamic_growth_steps: finite steps after which the loss scale doubles.
+        shard_optimizer_state: keep the wrapped optimizer's state (its slot
+            variables) on each rank for its share of the trainable variables
+            only (ZeRO-1): each rank updates its share and the updated weights
+            are exchanged, so every rank ends each step with the weights the
+            unsharded optimizer computes. Element-wise optimizers (SGD, Adam,
+            AdamW, Adamax, Nadam, RMSprop, Adagrad, Adadelta, Ftrl, Lion) may
+            have a variable's rows split between ranks; any other optimizer
+            keeps whole variables. Not with `process_set` or local variables.
+            See docs/zero.md.
         name: the optimizer's name.
 
     A TensorFlow 1 optimizer (``tf.compat.v1.train.Optimizer``) is wrapped
@@ -159,6 +170,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         loss_scale: bool | None = None,
         initial_scale: float = 2.0**15,
         dynamic_growth_steps: int = 2000,
+        shard_optimizer_state: bool = False,
         name: str | None = None,
     ):
         if isinstance(optimizer, DistributedOptimizer):
@@ -181,6 +193,14 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             gradient_predivide_factor=float(gradient_predivide_factor),
             groups=check_groups(groups, num_groups), process_set=process_set,
             scale_local_gradients=bool(scale_local_gradients))
+        if not isinstance(shard_optimizer_state, bool):
+            raise ValueError("`shard_optimizer_state` must be True or False. Received: "
+                             f"shard_optimizer_state={shard_optimizer_state!r}")
+        if shard_optimizer_state and process_set is not None:
+            raise ValueError(
+                "`shard_optimizer_state=True` shards the optimizer state over every rank "
+                "of the job and cannot be combined with `process_set`; pass process_set="
+                f"None. Received: process_set={process_set!r}")
         backward_passes_per_step, average_aggregated_gradients = _accumulation(
             optimizer, backward_passes_per_step, average_aggregated_gradients)
         backends.check_supported()
@@ -208,6 +228,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         self.loss_scale = loss_scale
         self.initial_scale = initial_scale
         self.dynamic_growth_steps = dynamic_growth_steps
+        self.shard_optimizer_state = shard_optimizer_state
 
     # -- loss scaling ------------------------------------------------------
 
@@ -246,8 +267,33 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
                 self.add_variable_from_reference(v, name="gradient_accumulator")
                 for v in var_list
             ]
-        self.inner_optimizer.build(var_list)
+        if self.shard_optimizer_state:
+            group = context.get()
+            self._local.shards = zero.Shards(self, list(var_list), group.rank, group.size)
+        else:
+            self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
+
+    def replicated_variables(self) -> list:
+        """The optimizer's variables that every rank holds alike (what a broadcast
+        of the optimizer's state may send): all of ``variables``, except with
+        ``shard_optimizer_state``, where each rank's share is its own."""
+        shards = self._local.shards
+        if shards is None:
+            return list(self.variables)
+        proxies = {id(target) for _, _, target in shards.own}
+        return ([v for v in self._variables if id(v) not in proxies]
+                + list(shards.replicated_inner))
+
+    def finalize_variable_values(self, var_list):
+        shards = self._local.shards
+        if shards is None:
+            self.inner_optimizer.finalize_variable_values(var_list)
+        elif self.inner_optimizer.use_ema:
+            # Each rank overwrites its share with its averages; the exchange
+            # gives every rank all of them.
+            self.inner_optimizer.finalize_variable_values(shards.held)
+            shards.exchange(compat.built_variables(self))
 
     # -- local variables -------------------------------------------------
 
@@ -257,6 +303,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         With ``scale_local_gradients`` (default) the gradient is divided by
         the number of ranks instead.
         """
+        _refuse_local_when_sharded(self)
         self._local.variables.add(id(var))
 
     def _local_ids(self) -> set[int]:
@@ -344,13 +391,17 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             self._apply_reduced(grads, trainable_variables)
             return
         communicating = ops.equal(self.local_steps, 0)
-        if backends.name() == "jax":
+        if backends.name() == "jax" or self._local.shards is not None:
             # No assignment inside a traced branch: apply on every step (the
             # inner optimizer's `iterations` counts it), then keep the old
             # values of everything else where this step does not communicate.
+            # (Sharded, on every backend: the weights' exchange in a branch of
+            # TensorFlow's cond fails to trace.)
             kept = [v for v in list(trainable_variables) + list(self.inner_optimizer.variables)
                     if v is not self.inner_optimizer.iterations]
-            before = [v.value for v in kept]
+            if self._local.shards is not None and self._uses_loss_scale():
+                kept += [self.step_counter, self.dynamic_scale]
+            before = [ops.copy(v.value) for v in kept]  # a snapshot, not the variable
             self._apply_reduced(grads, trainable_variables)
             for variable, old in zip(kept, before):
                 variable.assign(ops.where(communicating, variable.value, old))
@@ -382,10 +433,42 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             grads, trainable_variables, self._local_ids())
 
     def _apply_reduced(self, grads, trainable_variables):
-        if self._uses_loss_scale():
+        if self._local.shards is not None:
+            self._apply_sharded(grads, trainable_variables)
+        elif self._uses_loss_scale():
             compat.loss_scale_apply(self, grads, trainable_variables)
         else:
             self.inner_optimizer.apply(grads, trainable_variables)
+
+    def _apply_sharded(self, grads, trainable_variables):
+        """This rank's share updated and the weights exchanged (``zero.Shards``).
+
+        With loss scaling, every backend takes the same route, with no
+        assignment inside a branch (which JAX cannot trace): the step is
+        applied, then every variable it changed gets its old value back where
+        the gradients are not finite, and the scale is updated as
+        ``LossScaleOptimizer`` does. The reduced gradients are the same on
+        every rank, so all ranks skip or apply a step together.
+        """
+        shards, inner = self._local.shards, self.inner_optimizer
+        if not self._uses_loss_scale():
+            shards.apply(inner, grads, trainable_variables)
+            return
+        finite = self.check_finite(grads)
+        scale = ops.copy(self.dynamic_scale.value)
+        unscaled = [None if g is None else ops.divide(to_dense(g), scale) for g in grads]
+        changed = list(trainable_variables) + list(inner.variables)
+        before = [ops.copy(v.value) for v in changed]
+        shards.apply(inner, unscaled, trainable_variables)
+        for variable, old in zip(changed, before):
+            variable.assign(ops.where(finite, variable.value, old))
+        counter = ops.copy(self.step_counter.value)
+        grow = ops.equal(counter, self.dynamic_growth_steps - 1)
+        self.step_counter.assign(ops.where(
+            finite, ops.where(grow, ops.zeros_like(counter), counter + 1),
+            ops.zeros_like(counter)))
+        self.dynamic_scale.assign(ops.where(
+            finite, ops.where(grow, scale * 2.0, scale), scale * 0.5))
 
     # -- gradients computed by the optimizer (Horovod's Keras 2 API) -------
 
@@ -434,7 +517,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         return reduced
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        if self._uses_loss_scale():
+        if self._uses_loss_scale() and self._local.shards is None:
             if self.backward_passes_per_step > 1:
                 raise NotImplementedError(
                     "DistributedOptimizer on the JAX backend does not support loss scaling "
@@ -471,6 +554,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             "loss_scale": self.loss_scale,
             "initial_scale": self.initial_scale,
             "dynamic_growth_steps": self.dynamic_growth_steps,
+            "shard_optimizer_state": self.shard_optimizer_state,
         }
 
     @classmethod
@@ -501,8 +585,19 @@ def PartialDistributedOptimizer(optimizer, *, local_layers=None, **kwargs):  # n
     if not isinstance(wrapped, DistributedOptimizer):
         raise ValueError("`optimizer` of PartialDistributedOptimizer must be a Keras 3 "
                          f"optimizer. Received: optimizer={type(optimizer).__name__}")
+    if local_layers:
+        _refuse_local_when_sharded(wrapped)
     wrapped._local.layers.extend(local_layers)
     return wrapped
+
+
+def _refuse_local_when_sharded(optimizer) -> None:
+    if optimizer.shard_optimizer_state:
+        raise ValueError(
+            "Local variables (register_local_var, PartialDistributedOptimizer's "
+            "local_layers) differ between ranks and cannot have their optimizer state "
+            "sharded; pass shard_optimizer_state=False. Received: "
+            "shard_optimizer_state=True")
 
 
 def _xla_conflict(model) -> str | None:

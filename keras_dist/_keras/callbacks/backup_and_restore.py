@@ -16,6 +16,7 @@ import dataclasses
 import keras
 
 from keras_dist import _compat as compat
+from keras_dist._keras import zero
 from keras_dist._runtime import context
 from keras_dist.errors import KerasDistError
 from keras_dist.tensor import ops as kd_ops
@@ -111,7 +112,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 optimizer.build(self.model.trainable_variables)  # as Keras' restore does
             variables = list(self.model.weights)
             if optimizer is not None:
-                variables += list(optimizer.variables)
+                variables += zero.replicated_state(optimizer)
             kd_ops.broadcast_variables(variables, root_rank=0)
         if not rank_zero:
             compat.set_initial_epoch(self.model, restored.initial_epoch)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import keras
 
-from keras_dist._keras import backends
+from keras_dist._keras import backends, zero
 from keras_dist._keras.xla import disable_xla_for_training
 from keras_dist.tensor import ops as kd_ops
 
@@ -80,7 +80,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         variables = [v for v in self.model.weights if id(v) not in self._local_vars]
         optimizer = self.model.optimizer
         if optimizer is not None and optimizer.built:
-            variables += list(optimizer.variables)
+            variables += zero.replicated_state(optimizer)
         if self.process_set is None or self.process_set.included():
             kd_ops.broadcast_variables(variables, root_rank=self.root_rank,
                                        process_set=self.process_set)

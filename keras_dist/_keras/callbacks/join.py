@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 
+from keras_dist._keras import zero
 from keras_dist._runtime import context
 from keras_dist.tensor import ops as kd_ops
 from keras_dist.tensor.join import join
@@ -47,6 +48,6 @@ class JoinCallback(keras.callbacks.Callback):
         variables = list(self.model.weights)
         optimizer = self.model.optimizer
         if optimizer is not None and optimizer.built:
-            variables += list(optimizer.variables)
+            variables += zero.replicated_state(optimizer)
         extra = {} if self.process_set is None else {"process_set": self.process_set}
         kd_ops.broadcast_variables(variables, root_rank=last, **extra)
