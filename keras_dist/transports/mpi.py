@@ -27,6 +27,7 @@ import numpy as np
 from keras_dist import _vocab
 from keras_dist._runtime.liveness import Waiter, describe_peers
 from keras_dist.errors import CollectiveMismatchError
+from keras_dist.transports import ring
 from keras_dist.transports.base import Transport
 
 #: Arrival-board value of a rank that has closed its transport (left the group).
@@ -35,6 +36,11 @@ _LEFT = -1
 #: its check and is reduced locally, one collective in place of two (across
 #: machines each collective is a network round trip).
 CARRIED_BYTES = 64
+#: From this size, an allreduce among three or more machines goes round a
+#: pipelined ring of point-to-point messages (``keras_dist.transports.ring``):
+#: on 4 emulated hosts it carried 1.2-1.3x MPICH's own ``Allreduce`` at 16 and
+#: 64 MiB, and less at 1 and 4 MiB.
+RING_MIN_BYTES = 16 << 20
 
 
 class MpiTransport(Transport):
@@ -94,6 +100,9 @@ class MpiTransport(Transport):
         self._local_rank = local_comm.Get_rank()
         self._board[self._local_rank][0] = 0
         self._spans_machines = local_comm.Get_size() < comm.Get_size()
+        #: Whether large allreduces go round the ring: three or more machines.
+        self._ring = sum(comm.allgather(self._local_rank == 0)) >= 3
+        self._ring_scratch = np.empty(0, np.uint8)
         self._sequence = 0
         local_comm.Barrier()
         peers = [(names[rank], host, pid) for rank, host, pid in describe_peers(comm)]
@@ -186,6 +195,13 @@ class MpiTransport(Transport):
             reduced = self._local_ops[op].reduce(values, axis=0, dtype=buf.dtype)
             buf[...] = reduced.reshape(buf.shape)
             return
+        if self._ring and buf.nbytes >= RING_MIN_BYTES and not _vocab.is_half(buf.dtype) \
+                and buf.flags.c_contiguous:
+            flat = buf.reshape(-1)
+            if send is not None:
+                np.copyto(flat, send.reshape(-1))
+            ring.allreduce(self.comm, flat, self._local_ops[op], self._ring_buffer(flat))
+            return
         mpi_op = self._ops[op]
         if _vocab.is_half(buf.dtype):
             wide = (buf if send is None else send).astype(np.float32)
@@ -193,6 +209,13 @@ class MpiTransport(Transport):
             buf[...] = wide.astype(buf.dtype)
         else:
             self.comm.Allreduce(self._mpi.IN_PLACE if send is None else send, buf, mpi_op)
+
+    def _ring_buffer(self, flat: np.ndarray) -> np.ndarray:
+        """The ring's receive buffer for ``flat``'s largest chunk, kept between calls."""
+        need = (flat.size // self.comm.Get_size() + 1) * flat.itemsize
+        if self._ring_scratch.nbytes < need:
+            self._ring_scratch = np.empty(need, np.uint8)
+        return self._ring_scratch[:need].view(flat.dtype)
 
     def broadcast(self, buf: np.ndarray, root: int, name: str | None = None) -> None:
         self._enter("broadcast", f"broadcast root={root} bytes={buf.nbytes} {name or ''}")
