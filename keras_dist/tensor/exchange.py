@@ -32,7 +32,7 @@ from keras_dist import _vocab
 from keras_dist._runtime import context, timeline
 from keras_dist._vocab import Average, ReduceOp
 from keras_dist.errors import CollectiveMismatchError
-from keras_dist.tensor import conversions, outputs
+from keras_dist.tensor import conversions, gather_records, outputs
 from keras_dist.tensor.checks import check_byte_dtypes as _check_byte_dtypes
 from keras_dist.tensor.checks import check_dtypes as _check_dtypes
 from keras_dist.tensor.checks import check_op as _check_op
@@ -40,36 +40,20 @@ from keras_dist.tensor.compression import Compression
 from keras_dist.tensor.conversions import Collective, dtype_of, raising_tf_errors, run, unwrap
 from keras_dist.tensor.counters import COUNTERS
 from keras_dist.tensor.gather_records import MAX_NDIM as _MAX_GATHER_NDIM
-from keras_dist.tensor.gather_records import dtype_name as _dtype_name
 from keras_dist.tensor.ops import _allreduce_arrays, allgather, allreduce
 from keras_dist.tensor.tf import ops as tf_ops
 
-# One value's description in a shape exchange: ndim, dtype number, shape.
-_DESCRIPTION = 2 + _MAX_GATHER_NDIM
-
-
-def _describe_array(array: np.ndarray) -> np.ndarray:
-    """``array``'s ndim, dtype and shape as ``_DESCRIPTION`` int64s."""
-    description = np.zeros(_DESCRIPTION, np.int64)
-    description[:2] = array.ndim, array.dtype.num
-    description[2 : 2 + array.ndim] = array.shape
-    return description
-
-
-def _shape_of(description: np.ndarray) -> tuple[int, ...]:
-    return tuple(int(d) for d in description[2 : 2 + description[0]])
-
 
 def _disagreement(descriptions: np.ndarray) -> str | None:
-    """Rank by rank, what differs when ranks' values (rows of ``_describe_array``)
-    differ in ndim, dtype or shape past the first dimension; None when they agree."""
-    shapes = [_shape_of(d) for d in descriptions]
+    """Rank by rank, what differs when ranks' values (rows of
+    ``gather_records.header_of``: ndim, dtype number, shape) differ in ndim,
+    dtype or shape past the first dimension; None when they agree."""
+    shapes = gather_records.shapes_of(descriptions)
     first = descriptions[0]
     if all((d[0], d[1]) == (first[0], first[1]) and shape[1:] == shapes[0][1:]
            for d, shape in zip(descriptions, shapes)):
         return None
-    return ", ".join(f"rank {r}: shape={shape} dtype={_dtype_name(int(d[1]))}"
-                     for r, (d, shape) in enumerate(zip(descriptions, shapes)))
+    return gather_records.describe(descriptions)
 
 
 def _raise_problems(problems: np.ndarray, mine: str | None, collective: str) -> None:
@@ -138,23 +122,24 @@ def _alltoall_arrays(x: np.ndarray, splits: np.ndarray | None, name: str,
             raise ValueError(problem)
         return [x[: splits[0]].copy(), splits.astype(np.int32)]
     # Agree first: every rank's problem flag, value description and splits.
-    header = np.zeros(1 + _DESCRIPTION + size, np.int64)
+    header = np.zeros(1 + gather_records.HEADER_WORDS + size, np.int64)
     header[0] = problem is not None
     if problem is None:
-        header[1 : 1 + _DESCRIPTION] = _describe_array(x)
-        header[1 + _DESCRIPTION :] = splits
+        header[1 : 1 + gather_records.HEADER_WORDS] = gather_records.header_of(x)
+        header[1 + gather_records.HEADER_WORDS :] = splits
     headers = np.empty(header.size * size, np.int64)
     group.transport.allgatherv(header, headers, [header.size] * size,
                                name=f"{name} splits of {size} ranks")
     headers = headers.reshape(size, -1)
     _raise_problems(headers[:, 0], problem, "alltoall")
-    detail = _disagreement(headers[:, 1 : 1 + _DESCRIPTION])
+    detail = _disagreement(headers[:, 1 : 1 + gather_records.HEADER_WORDS])
     if detail is not None:
         raise CollectiveMismatchError(
             "`alltoall` needs the same dtype and the same shape past the first dimension "
             f"on every rank. Received: {detail}"
         )
-    matrix = headers[:, 1 + _DESCRIPTION :]  # matrix[r, k]: rows rank r sends to rank k
+    # matrix[r, k]: the rows rank r sends to rank k.
+    matrix = headers[:, 1 + gather_records.HEADER_WORDS :]
     received_splits = matrix[:, me]
     row_bytes = _row_elements(x) * x.dtype.itemsize
     sent_bytes = matrix.sum(axis=1) * row_bytes
@@ -265,11 +250,11 @@ def _grouped_allgather_arrays(arrays: list[np.ndarray], name: str, group) -> lis
     if size == 1:
         return [a.copy() for a in arrays]
     count = len(arrays)
-    header = np.concatenate([_describe_array(a) for a in arrays])
+    header = np.concatenate([gather_records.header_of(a) for a in arrays])
     headers = np.empty(header.size * size, np.int64)
     group.transport.allgatherv(header, headers, [header.size] * size,
                                name=f"{name} shapes of {count} tensors")
-    headers = headers.reshape(size, count, _DESCRIPTION)
+    headers = headers.reshape(size, count, gather_records.HEADER_WORDS)
     for index in range(count):
         detail = _disagreement(headers[:, index])
         if detail is not None:

@@ -1,9 +1,12 @@
-"""The record an allgather's first step gathers from every rank.
+"""The record an allgather's first step gathers from every rank, and the
+header inside it that describes a value (also what ``exchange`` gathers to
+check the ranks' values agree).
 
 native/src/one_call.h (the one-call allgather and the TensorFlow op) reads
 and writes the same layout; ``tests/unit/test_shared_tables.py`` checks the
 constants here against the ones the native module reports
-(``_native.GATHER_RECORD``).
+(``_native.GATHER_RECORD``), and a record written here against one the
+native module writes.
 """
 
 from __future__ import annotations
@@ -34,14 +37,29 @@ def dtype_name(number: int) -> str:
     return f"dtype #{number}"
 
 
+def header_of(array: np.ndarray) -> np.ndarray:
+    """``array``'s header: ``HEADER_WORDS`` int64s ``[ndim, dtype.num, *shape
+    padded with zeros]`` (at most ``MAX_NDIM`` dimensions)."""
+    header = np.zeros(HEADER_WORDS, np.int64)
+    header[:2] = array.ndim, array.dtype.num
+    header[2 : 2 + array.ndim] = array.shape
+    return header
+
+
+def describe(headers: np.ndarray, dtype: np.dtype | None = None) -> str:
+    """Rank by rank, the shape and dtype each header (one row per rank) says
+    (``dtype``: this rank's, named as numpy names it where the number is ambiguous)."""
+    names = {int(h[1]): dtype_name(int(h[1])) for h in headers}
+    if dtype is not None:
+        names[dtype.num] = dtype.name
+    return ", ".join(f"rank {r}: shape={shape} dtype={names[int(h[1])]}"
+                     for r, (h, shape) in enumerate(zip(headers, shapes_of(headers))))
+
+
 def mismatch_error(headers: np.ndarray, dtype: np.dtype) -> CollectiveMismatchError:
     """The error for ranks whose allgather headers (``[ndim, dtype.num, *shape]``
     per rank; this rank's dtype is ``dtype``) disagree."""
-    shapes = shapes_of(headers)
-    names = {int(h[1]): dtype_name(int(h[1])) for h in headers}
-    names[dtype.num] = dtype.name
-    detail = ", ".join(f"rank {r}: shape={shape} dtype={names[int(h[1])]}"
-                       for r, (h, shape) in enumerate(zip(headers, shapes)))
+    detail = describe(headers, dtype)
     return CollectiveMismatchError(
         "`allgather` needs the same dtype and the same shape past the first "
         f"dimension on every rank. Received: {detail}"
@@ -54,8 +72,8 @@ def record_of(array: np.ndarray) -> np.ndarray:
     words = record[: 8 * RECORD_WORDS].view(np.int64)
     inline = array.nbytes <= INLINE_BYTES
     words[0] = 8 * RECORD_WORDS + (array.nbytes if inline else 0)
-    words[1:4] = inline, array.ndim, array.dtype.num
-    words[4 : 4 + array.ndim] = array.shape
+    words[1] = inline
+    words[2:RECORD_WORDS] = header_of(array)
     if inline:
         record[8 * RECORD_WORDS : words[0]] = array.reshape(-1).view(np.uint8)
     return record
