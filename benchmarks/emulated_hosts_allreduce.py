@@ -64,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-f", "--factor", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5, help="timed rounds per size")
     parser.add_argument("--peers", default=",".join(PEERS),
-                        help="of kd, mpi, gloo and ring (a pipelined ring over MPI "
-                        "point-to-point, in this script)")
+                        help="of kd, mpi, gloo and ring (keras_dist's pipelined ring over "
+                        "MPI point-to-point, keras_dist/transports/ring.py, called directly)")
     parser.add_argument("--segment", type=parse_size, default=1 << 20,
                         help="the ring's segment (default 1M)")
     parser.add_argument("--latency-calls", type=int, default=200,
@@ -100,6 +100,7 @@ def worker(args) -> int:
     import numpy as np
 
     import keras_dist as kd
+    from keras_dist.transports import ring
 
     kd.init()
     from mpi4py import MPI
@@ -148,10 +149,16 @@ def worker(args) -> int:
         calls["kd"] = kd_call
         calls["mpi"] = lambda: comm.Allreduce(data, recv, MPI.SUM)
         buffers["mpi"] = recv
-        if "ring" in peers:
+        if "ring" in peers:  # keras_dist's ring, whatever the transport would choose
             ring_out = np.empty_like(data)
+            scratch = np.empty(count // size + 1, data.dtype)
             buffers["ring"] = ring_out
-            calls["ring"] = lambda: _ring_allreduce(comm, data, ring_out, args.segment)
+
+            def ring_call():
+                np.copyto(ring_out, data)
+                ring.allreduce(comm, ring_out, np.add, scratch, args.segment)
+
+            calls["ring"] = ring_call
         if "gloo" in peers:
             tensor = torch.from_numpy(data.copy())
             buffers["gloo"] = tensor
@@ -229,38 +236,6 @@ def worker(args) -> int:
         dist.destroy_process_group()
     kd.shutdown()
     return 1 if failures else 0
-
-
-def _ring_allreduce(comm, send, out, segment: int) -> None:
-    """A sum over a ring of MPI point-to-point messages, ``segment`` bytes each,
-    every segment of a step posted at once and reduced as it arrives."""
-    import numpy as np
-    from mpi4py import MPI
-
-    rank, size = comm.Get_rank(), comm.Get_size()
-    np.copyto(out, send)
-    chunks = np.array_split(out, size)
-    right, left = (rank + 1) % size, (rank - 1) % size
-    per = max(1, segment // out.itemsize)
-    scratch = np.empty(chunks[0].size, out.dtype)
-    for step in range(size - 1):  # reduce-scatter
-        mine, theirs = chunks[(rank - step) % size], chunks[(rank - step - 1) % size]
-        starts = range(0, theirs.size, per)
-        recvs = [comm.Irecv(scratch[i:i + per][:theirs.size - i], left, tag=step)
-                 for i in starts]
-        sends = [comm.Isend(mine[i:i + per], right, tag=step) for i in range(0, mine.size, per)]
-        for _ in starts:
-            index = MPI.Request.Waitany(recvs)
-            i = list(starts)[index]
-            theirs[i:i + per] += scratch[i:i + per][:theirs.size - i]
-        MPI.Request.Waitall(sends)
-    for step in range(size - 1):  # allgather
-        mine, theirs = chunks[(rank - step + 1) % size], chunks[(rank - step) % size]
-        recvs = [comm.Irecv(theirs[i:i + per], left, tag=size + step)
-                 for i in range(0, theirs.size, per)]
-        sends = [comm.Isend(mine[i:i + per], right, tag=size + step)
-                 for i in range(0, mine.size, per)]
-        MPI.Request.Waitall(recvs + sends)
 
 
 def _tx_bytes() -> int:
