@@ -32,6 +32,10 @@ class Transport(abc.ABC):
     #: Whether ``allreduce_parts`` serves: the tensor layer then reduces an
     #: unscaled bucket with it rather than packing a fused buffer.
     reduces_parts: bool = False
+    #: How this machine's engine moves large collectives (a sentence: whether
+    #: ranks read their peers' memory directly, and if not why), or None for a
+    #: transport without that choice. Benchmarks report it.
+    single_copy_status: str | None = None
 
     def __init__(self) -> None:
         self._scratch = np.empty(0, np.uint8)

@@ -72,7 +72,8 @@ class JoinableTransport(Transport):
 
     Every collective passes straight to the wrapped transport; only a
     ``CollectiveMismatchError`` costs one more collective (the exchange).
-    Other attributes are the wrapped transport's.
+    ``reduces_parts``, ``single_copy_status``, the native engine and the
+    waits are the wrapped transport's.
 
     Args:
         inner: the transport to wrap.
@@ -91,12 +92,13 @@ class JoinableTransport(Transport):
         #: The last buffer ``scratch`` handed out (the wrapped transport's memory).
         self._scratch_view = np.empty(0, np.uint8)
 
-    def __getattr__(self, attribute):
-        return getattr(self.__dict__["inner"], attribute)
-
     @property
     def reduces_parts(self) -> bool:
         return self.inner.reduces_parts
+
+    @property
+    def single_copy_status(self) -> str | None:
+        return self.inner.single_copy_status
 
     def native_engine(self):
         """The wrapped transport's engine: its allreduces that raise a mismatch
