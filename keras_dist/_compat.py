@@ -160,14 +160,31 @@ _AUTO_JIT_VETOES: list = []
 _NOTICES: set[str] = set()
 
 
+def _first_frame_outside_frameworks() -> int:
+    """The ``stacklevel`` of a warning given by this function's caller that names
+    the first frame outside Keras and keras_dist (the user's line)."""
+    import os
+    import sys
+
+    import keras
+
+    inside = (os.path.dirname(keras.__file__), os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def turn_off_auto_jit_compile_when(veto) -> None:
     """Makes Keras resolve ``jit_compile="auto"`` to False for a model when
-    ``veto(model)`` returns a reason (a one-line notice, printed once).
+    ``veto(model)`` returns a string: a reason (a one-line notice, given once,
+    attributed to the user's line that compiled) or ``""`` (no notice).
 
     Keras resolves "auto" in ``compile()`` (after setting the optimizer) with
     the trainer's private ``_resolve_auto_jit_compile``, which says True for
     TensorFlow whenever it sees a GPU. The method is wrapped once; the
-    wrapper asks each veto, then Keras's own resolution.
+    wrapper asks Keras's own resolution first, and the vetoes only where
+    Keras would compile with XLA (so nothing is said where nothing changes).
     """
     from keras.src.trainers.trainer import Trainer
 
@@ -178,14 +195,17 @@ def turn_off_auto_jit_compile_when(veto) -> None:
         return
 
     def resolve_with_vetoes(model):
+        chosen = resolve(model)
+        if not chosen:
+            return chosen
         for each in _AUTO_JIT_VETOES:
             reason = each(model)
-            if reason:
-                if reason not in _NOTICES:
+            if reason is not None:
+                if reason and reason not in _NOTICES:
                     _NOTICES.add(reason)
-                    warnings.warn(reason, stacklevel=3)
+                    warnings.warn(reason, stacklevel=_first_frame_outside_frameworks())
                 return False
-        return resolve(model)
+        return chosen
 
     resolve_with_vetoes.keras_dist_vetoes = True
     Trainer._resolve_auto_jit_compile = resolve_with_vetoes

@@ -1,17 +1,26 @@
 """Per-backend glue of the Keras layer: what differs between TensorFlow, JAX and PyTorch.
 
-- TensorFlow: the gradients' collective is a ``tf.numpy_function`` op of the
-  traced step (XLA cannot compile it: see ``xla.py``).
-- JAX: Keras jits a stateless step; the collective is an ordered host
-  callback inside it (``keras_dist.tensor.jax_glue``), so ``jit_compile`` stays
-  as the user set it. Variables cannot be assigned inside a branch of a traced
-  ``cond``, so loss scaling goes through Keras's own stateless loss-scale step,
-  and with ``backward_passes_per_step`` > 1 the wrapped optimizer applies on
-  every step and the old values are kept where a step does not communicate
-  (as Keras's own gradient accumulation does on JAX); loss scaling together
-  with accumulation is not supported there (it raises at the first step).
+- TensorFlow: in a traced step the gradients' grouped allreduce is keras_dist's
+  own op, ``KerasDistAllreduce`` (``keras_dist.tensor.tf.kernel``), on the shm
+  engine with no scaling; otherwise (another transport, a scaled call,
+  ``KERAS_DIST_TF_OP=0``) a ``tf.numpy_function`` op. XLA compiles neither
+  (see ``xla.py``).
+- JAX: Keras jits a stateless step; on the CPU an unscaled allreduce inside it
+  is a call of keras_dist's XLA FFI handler (``jax_glue.native_allreduce``),
+  any other collective a ``jax.experimental.buffer_callback``, chained so every
+  rank runs them in the same order (``keras_dist.tensor.jax_glue``);
+  ``jit_compile`` stays as the user set it. Variables cannot be assigned
+  inside a branch of a traced ``cond``, so loss scaling goes through Keras's
+  own stateless loss-scale step, and with ``backward_passes_per_step`` > 1
+  the wrapped optimizer applies on every step and the old values are kept
+  where a step does not communicate (as Keras's own gradient accumulation
+  does on JAX); loss scaling together with accumulation is not supported
+  there (it raises at the first step).
 - PyTorch: Keras's trainer is eager; with ``jit_compile=True`` (``torch.compile``)
   the reduction runs outside the compiled graph (``torch.compiler.disable``).
+
+With ``shard_optimizer_state`` (``zero.py``) every backend takes one route:
+no assignment inside a branch, the weights exchanged by an allreduce.
 """
 
 from __future__ import annotations

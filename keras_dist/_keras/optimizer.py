@@ -204,6 +204,15 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         backward_passes_per_step, average_aggregated_gradients = _accumulation(
             optimizer, backward_passes_per_step, average_aggregated_gradients)
         backends.check_supported()
+        if shard_optimizer_state and backward_passes_per_step > 1 and backends.name() == "jax":
+            # The gradients' allreduce sits in a traced cond there, and the
+            # weights' exchange after it cannot be ordered after a collective
+            # of a branch.
+            raise NotImplementedError(
+                "`shard_optimizer_state=True` on the JAX backend does not support "
+                "backward_passes_per_step or gradient_accumulation_steps > 1 yet; use one "
+                "of them. Received: backward_passes_per_step="
+                f"{backward_passes_per_step}")
         if backends.name() == "tensorflow":
             backends.refuse_tf1_graph(f"DistributedOptimizer({type(optimizer).__name__})")
             compat.turn_off_auto_jit_compile_when(_xla_conflict)
@@ -602,14 +611,17 @@ def _refuse_local_when_sharded(optimizer) -> None:
 
 def _xla_conflict(model) -> str | None:
     """Why ``model``'s ``jit_compile="auto"`` must resolve to False on TensorFlow
-    (Keras turns XLA on there whenever TensorFlow sees a GPU), or None: its
-    optimizer is a ``DistributedOptimizer`` that reduces, which XLA cannot
-    compile. A plain ``compile``/``fit`` script then trains without XLA."""
+    (asked only where Keras would turn XLA on: TensorFlow sees a GPU), or None:
+    its optimizer is a ``DistributedOptimizer`` that reduces, which XLA cannot
+    compile. A plain ``compile``/``fit`` script then trains without XLA. The
+    notice is rank 0's; other ranks turn XLA off silently (``""``)."""
     optimizer = getattr(model, "optimizer", None)
     while optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
         optimizer = getattr(optimizer, "inner_optimizer", None)
     if optimizer is None or not context.is_initialized() or not optimizer._reduces():
         return None
+    if context.get().rank != 0:
+        return ""
     return ("keras_dist: XLA (jit_compile=\"auto\") is off for the train step on "
             "TensorFlow: DistributedOptimizer's allreduce is a host call that XLA cannot "
             "compile.")

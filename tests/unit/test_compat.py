@@ -6,6 +6,7 @@ by name, rather than somewhere inside ``fit``.
 """
 
 import os
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -150,17 +151,23 @@ def test_tensorflow_private_apis_answer():
     assert isinstance(traced[0], compat.func_graph_class())
 
 
-def test_auto_jit_compile_resolution_takes_a_veto():
+def test_auto_jit_compile_resolution_takes_a_veto(monkeypatch):
     def veto(model):
         return "keras_dist test veto" if getattr(model, "veto_auto_jit", False) else None
 
     compat.turn_off_auto_jit_compile_when(veto)
     vetoed = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     vetoed.veto_auto_jit = True
-    with pytest.warns(UserWarning, match="keras_dist test veto"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # where Keras would not use XLA: nothing to say
+        assert vetoed._resolve_auto_jit_compile() is False  # Keras's own answer on a CPU
+    gpu = tf.config.PhysicalDevice(name="/physical_device:GPU:0", device_type="GPU")
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda *args: [gpu])
+    with pytest.warns(UserWarning, match="keras_dist test veto") as caught:
         assert vetoed._resolve_auto_jit_compile() is False
+    assert caught[0].filename == __file__  # the caller's line
     other = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    assert other._resolve_auto_jit_compile() is False  # Keras's own answer on a CPU
+    assert other._resolve_auto_jit_compile() is True  # Keras's own answer with a GPU
 
 
 def test_control_flow_context_is_none_only_at_a_tf1_graphs_top_level():

@@ -290,3 +290,22 @@ def test_xla_stays_on_at_size_one():
     model.compile(DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse", jit_compile=True)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert model.jit_compile
+
+
+def test_a_cpu_fit_gives_no_xla_notice(monkeypatch):
+    # Keras never compiles with XLA where TensorFlow sees no GPU, so turning it
+    # off changes nothing there: no notice, even when the optimizer reduces.
+    import warnings
+
+    monkeypatch.setattr(DistributedOptimizer, "_reduces", lambda self: True)
+    x, y = _data()
+    model = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile(optimizer=kd.DistributedOptimizer(keras.optimizers.SGD(0.01)),
+                      loss="mse", metrics=["mae"])
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                  callbacks=[kd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    ours = [str(w.message) for w in caught if "keras_dist" in str(w.message)]
+    assert not ours, ours
+    assert model.jit_compile is False
