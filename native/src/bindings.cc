@@ -91,6 +91,22 @@ NB_MODULE(_native, m) {
   gather_record["inline_bytes"] = kGatherInline;
   gather_record["record_bytes"] = kGatherRecord;
   m.attr("GATHER_RECORD") = gather_record;
+  m.def(
+      "_gather_record_words",
+      [](const std::vector<int64_t>& shape, int type_number, size_t itemsize) {
+        if (shape.empty() || shape.size() > size_t(kGatherMaxDims)) {
+          throw std::invalid_argument("`shape` must have 1 to " + std::to_string(kGatherMaxDims) +
+                                      " dimensions. Received: " + std::to_string(shape.size()));
+        }
+        GatherIn in{nullptr, int(shape.size()), {}, type_number, itemsize};
+        std::copy(shape.begin(), shape.end(), in.dims);
+        int64_t words[kGatherWords];
+        gather_record_words(in, words);
+        return nb::bytes(words, sizeof(words));
+      },
+      nb::arg("shape"), nb::arg("type_number"), nb::arg("itemsize"),
+      "Tests only: the words of the allgather record the one-call paths write for an "
+      "array of this shape and numpy type number (GATHER_RECORD's layout).");
 
   m.def("fill_views", &fill_views, nb::arg("out"), nb::arg("raw"), nb::arg("align"),
         nb::arg("offsets"), nb::arg("templates"),

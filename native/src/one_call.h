@@ -63,6 +63,20 @@ struct GatherIn {
   }
 };
 
+// This rank's record words for `in`, as laid out above (the data, when
+// inline, follows them). tests/unit/test_shared_tables.py checks them against
+// keras_dist/tensor/gather_records.py's record_of (_native._gather_record_words).
+inline void gather_record_words(const GatherIn& in, int64_t (&words)[kGatherWords]) {
+  const size_t data_bytes = in.nbytes();
+  const bool inline_data = data_bytes <= kGatherInline;
+  std::fill(words, words + kGatherWords, 0);
+  words[0] = int64_t(kGatherWords * sizeof(int64_t) + (inline_data ? data_bytes : 0));
+  words[1] = inline_data ? 1 : 0;
+  words[2] = in.ndim;
+  words[3] = in.type_number;
+  std::copy(in.dims, in.dims + in.ndim, words + 4);
+}
+
 // Nothing to release around the engine's calls (a caller without the GIL).
 struct NoRelease {};
 
@@ -78,12 +92,8 @@ bool gather_core(kd::ShmEngine& engine, const GatherIn& in, const std::string& n
   const int n = engine.local_size();
   const size_t data_bytes = in.nbytes();
   const bool inline_data = data_bytes <= kGatherInline;
-  int64_t mine[kGatherWords] = {};
-  mine[0] = int64_t(kGatherWords * sizeof(int64_t) + (inline_data ? data_bytes : 0));
-  mine[1] = inline_data ? 1 : 0;
-  mine[2] = in.ndim;
-  mine[3] = in.type_number;
-  std::copy(in.dims, in.dims + in.ndim, mine + 4);
+  int64_t mine[kGatherWords];
+  gather_record_words(in, mine);
   {
     [[maybe_unused]] Release release;
     engine.gather_records(mine, sizeof(mine), in.data, inline_data ? data_bytes : 0,

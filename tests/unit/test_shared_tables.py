@@ -44,3 +44,27 @@ def test_a_record_reads_back_as_written():
     assert headers[0][1] == array.dtype.num
     np.testing.assert_array_equal(
         gather_records.data_of(record)[: array.nbytes].view(np.int16).reshape(3, 4), array)
+
+
+def test_the_native_module_writes_the_records_python_writes():
+    inline = gather_records.INLINE_BYTES
+    words = 8 * gather_records.RECORD_WORDS
+    arrays = [np.zeros((3, 4), np.int16), np.zeros(inline // 8, np.float64),
+              np.zeros(inline // 8 + 1, np.float64), np.zeros((1000, 7), np.float32),
+              np.zeros((2, 1, 3, 1, 2, 1, 1, 5), np.uint8)]  # inline or not, 1 to 8 dims
+    for array in arrays:
+        native = _native._gather_record_words(list(array.shape), array.dtype.num,
+                                              array.dtype.itemsize)
+        python = gather_records.record_of(array)[:words].tobytes()
+        assert native == python, (array.shape, array.dtype)
+
+
+def test_an_allgather_header_is_the_records():
+    array = np.zeros((5, 2, 7), np.float32)
+    record = gather_records.record_of(array)
+    header = gather_records.headers_of(record.reshape(1, -1))[0]
+    np.testing.assert_array_equal(header, gather_records.header_of(array))
+    assert gather_records.shapes_of(header.reshape(1, -1)) == [(5, 2, 7)]
+    assert gather_records.describe(np.stack([header, gather_records.header_of(
+        np.zeros((1, 3), np.int64))])) == ("rank 0: shape=(5, 2, 7) dtype=float32, "
+                                           "rank 1: shape=(1, 3) dtype=int64")
