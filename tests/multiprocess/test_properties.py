@@ -2,14 +2,14 @@
 
 import pytest
 
-from tests._mp import run_job
+from tests.multiprocess._shared_jobs import TEST_TIMEOUT, suite_output
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize("np_", [1, 2, 3])
-def test_public_api_properties(np_):
-    result = run_job(["python", "tests/multiprocess/workers/properties.py"], np=np_, timeout=170,
-                     env={"KERAS_DIST_TIMEOUT_SECONDS": "60"})
-    result.check()
+def test_public_api_properties(np_, tf_job):
+    # In the shared job of np_ ranks (tests/multiprocess/_shared_jobs.py).
+    result = tf_job(np_)
     for rank in range(np_):
-        assert f"PROPERTIES OK rank={rank} size={np_}" in result.output(rank), result.describe()
+        output = suite_output(result, "properties", rank)
+        assert f"PROPERTIES OK rank={rank} size={np_}" in output, result.describe()
