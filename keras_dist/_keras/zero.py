@@ -40,15 +40,22 @@ from keras_dist._keras.zero_partition import Piece, Tensor, plan
 from keras_dist.tensor import ops as kd_ops
 
 #: Optimizers whose update is element-wise (exact on any block of rows): only
-#: these exact classes, not subclasses, are split.
+#: these classes, not subclasses of them, have variables split.
 ELEMENTWISE = tuple(
     getattr(keras.optimizers, name) for name in (
         "SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Ftrl",
         "Lion") if hasattr(keras.optimizers, name))
 
 
+def _keras_class(optimizer) -> type:
+    """``optimizer``'s class, past the backend's own versions of it (PyTorch's
+    ``keras.src.backend.torch.optimizers.torch_adam.Adam`` is Keras's Adam)."""
+    return next(c for c in type(optimizer).__mro__
+                if not c.__module__.startswith("keras.src.backend."))
+
+
 def _splittable(optimizer, variable) -> bool:
-    return (type(optimizer) in ELEMENTWISE and variable.constraint is None
+    return (_keras_class(optimizer) in ELEMENTWISE and variable.constraint is None
             and not getattr(variable, "overwrite_with_gradient", False)
             and len(variable.shape) >= 1)
 
