@@ -21,7 +21,7 @@ then the ratios keras_dist/mpi4py and engine/mpi4py, ``wait``: the time the
 shm engine spent waiting for the peer per keras_dist call (its wait counter,
 mean over one more block of ``-n`` calls, the slowest rank), and ``#wrong``.
 
-Timing (``collectives.time_alternating``): ``-w`` untimed calls each, then
+Timing (``measure.time_alternating``): ``-w`` untimed calls each, then
 ``--reps`` rounds of one barrier-started block of ``-n`` calls per
 implementation, implementations alternating within a round so that drift
 hits all of them; a block's time per call is the slowest rank's; the table
@@ -30,7 +30,7 @@ printed before and after: numbers from a busy machine say little about
 latency.
 
 Checking: one more call of each implementation is compared with the float64
-reference (``collectives.count_wrong_*``); the exit status is 1 when any
+reference (``collectives.checks.count_wrong_*``); the exit status is 1 when any
 ``#wrong`` is non-zero.
 """
 
@@ -42,7 +42,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from keras_dist.bench import collectives
+from keras_dist.bench.collectives import arguments, measure, sizes, table
 
 COLUMNS = ("collective", "bytes", "keras_dist", "engine", "mpi4py", "kd/mpi", "engine/mpi",
            "wait", "#wrong")
@@ -51,10 +51,10 @@ _WIDTHS = (11, 6, 11, 8, 8, 7, 11, 7, 7)
 
 def _collective_list(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in collectives.COLLECTIVES]
+    unknown = [name for name in names if name not in arguments.COLLECTIVES]
     if not names or unknown:
         raise argparse.ArgumentTypeError(
-            f"must be a comma-separated list of {', '.join(collectives.COLLECTIVES)}. "
+            f"must be a comma-separated list of {', '.join(arguments.COLLECTIVES)}. "
             f"Received: {text!r}")
     return names
 
@@ -66,24 +66,24 @@ def build_parser() -> argparse.ArgumentParser:
         "numpy arrays beside mpi4py on preallocated buffers, in alternating blocks. "
         "Launch on N ranks with kdrun.")
     parser.add_argument("--collectives", type=_collective_list,
-                        default=collectives.COLLECTIVES,
+                        default=arguments.COLLECTIVES,
                         help="comma-separated; default allreduce,broadcast,allgather")
-    parser.add_argument("-b", "--minbytes", type=collectives._size_arg, default=4,
+    parser.add_argument("-b", "--minbytes", type=arguments.size_arg, default=4,
                         help="smallest size in bytes; default 4")
-    parser.add_argument("-e", "--maxbytes", type=collectives._size_arg, default=4 << 10,
+    parser.add_argument("-e", "--maxbytes", type=arguments.size_arg, default=4 << 10,
                         help="largest size in bytes; default 4K")
-    parser.add_argument("-f", "--stepfactor", type=collectives._positive_int, default=4,
+    parser.add_argument("-f", "--stepfactor", type=arguments.positive_int, default=4,
                         help="multiply the size by this from -b to -e; default 4")
     parser.add_argument("--dtype", choices=("float32", "float64", "int32", "int64"),
                         default="float32")
-    parser.add_argument("-n", "--iters", type=collectives._positive_int, default=2000,
+    parser.add_argument("-n", "--iters", type=arguments.positive_int, default=2000,
                         help="calls per timed block; default 2000")
-    parser.add_argument("-w", "--warmup", type=collectives._non_negative_int, default=200,
+    parser.add_argument("-w", "--warmup", type=arguments.non_negative_int, default=200,
                         help="untimed calls per implementation and size; default 200")
-    parser.add_argument("--reps", type=collectives._positive_int, default=9,
+    parser.add_argument("--reps", type=arguments.positive_int, default=9,
                         help="timed blocks per implementation (the median is shown); "
                         "default 9")
-    parser.add_argument("--transport", choices=collectives.TRANSPORTS, default=None,
+    parser.add_argument("--transport", choices=arguments.TRANSPORTS, default=None,
                         help="sets KERAS_DIST_CPU_OPERATIONS before kd.init(); default: "
                         "the environment's choice")
     return parser
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    collectives.check_sizes(parser, args)
+    arguments.check_sizes(parser, args)
     return args
 
 
@@ -121,11 +121,11 @@ def format_row(collective: str, nbytes: int, kd_seconds: float, engine_seconds: 
     cells = (collective, str(nbytes), us(kd_seconds), us(engine_seconds), us(mpi_seconds),
              times(ratio(kd_seconds, mpi_seconds)), times(ratio(engine_seconds, mpi_seconds)),
              us(wait_seconds), str(wrong))
-    return collectives._cells(cells, _WIDTHS)
+    return table.cells(cells, _WIDTHS)
 
 
 def header_line() -> str:
-    return "#" + collectives._cells(COLUMNS, _WIDTHS)[1:]
+    return "#" + table.cells(COLUMNS, _WIDTHS)[1:]
 
 
 def _engine_call(collective: str, transport, x: np.ndarray):
@@ -142,7 +142,7 @@ def _engine_call(collective: str, transport, x: np.ndarray):
 
 def run(args: argparse.Namespace) -> int:
     """Runs on every rank of the job; rank 0 prints. Returns the exit status."""
-    kd, comm = collectives.init_job(args.transport)
+    kd, comm = measure.init_job(args.transport)
     from mpi4py import MPI
 
     rank, nranks = comm.Get_rank(), comm.Get_size()
@@ -166,17 +166,17 @@ def run(args: argparse.Namespace) -> int:
     total_wrong = 0
     for collective in args.collectives:
         seen = set()
-        for size_bytes in collectives.size_steps(args.minbytes, args.maxbytes, args.stepfactor):
-            count = collectives.element_counts(collective, size_bytes, itemsize, nranks)
+        for size_bytes in sizes.size_steps(args.minbytes, args.maxbytes, args.stepfactor):
+            count = sizes.element_counts(collective, size_bytes, itemsize, nranks)
             if count in seen:
                 continue
             seen.add(count)
-            case = collectives._Case(argparse.Namespace(
+            case = measure.Case(argparse.Namespace(
                 collective=collective, dtype=args.dtype, op="sum", root=0, inplace=False),
                 comm, count)
             engine = _engine_call(collective, transport, case.input)
             calls = [case.kd_call, case.mpi_call] + ([engine] if engine else [])
-            seconds = collectives.time_alternating(calls, comm, args.iters, args.reps,
+            seconds = measure.time_alternating(calls, comm, args.iters, args.reps,
                                                    args.warmup)
             wait = None
             if transport.wait_seconds() is not None:  # one more block, untimed
