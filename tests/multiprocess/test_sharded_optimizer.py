@@ -1,0 +1,25 @@
+"""DistributedOptimizer(shard_optimizer_state=True) at 2 ranks on TensorFlow, JAX and
+PyTorch (see workers/sharded_optimizer.py): every Keras optimizer and the wrapper's
+options against the unsharded DistributedOptimizer, each rank's share of the state,
+and fit with BroadcastGlobalVariablesCallback."""
+
+import pytest
+
+from tests._mp import run_job
+
+WORKER = "tests/multiprocess/workers/sharded_optimizer.py"
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", "SHARDED_STEPS": "10"}
+# Every Keras optimizer on TensorFlow and PyTorch; on JAX (a jit compile each, the
+# slowest) one element-wise and the shape-dependent ones, with every option.
+SWEEPS = {"tensorflow": "", "torch": "", "jax": "sgd_nesterov,lamb,adafactor,muon"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_sharded_optimizer_matches_the_unsharded_one(backend):
+    result = run_job(WORKER, np=2, timeout=560, env={
+        **ENV, "KERAS_BACKEND": backend, "SHARDED_OPTIMIZERS": SWEEPS[backend]})
+    result.check()
+    for rank in range(2):
+        assert f"SHARDED OK rank={rank}" in result.output(rank), result.describe()
