@@ -254,13 +254,12 @@ def test_a_peer_that_never_reads_is_dropped_once_its_output_passes_the_cap():
     watcher.claim("kd_watch", rank=-1)
     ranks[1].send(b"cmd=put key=k value=" + b"v" * pmi_server.VALLEN_MAX + b"\n")
     pump(server)
-    # Rank 0 asks and asks, and never reads an answer.
-    started = time.monotonic()
+    # Rank 0 asks and asks, and never reads an answer (a send that blocked the
+    # server would hang here: the test's hard timeout would end it).
     ranks[0].send(b"cmd=get key=k\n" * 64)
     pump(server)
     assert ranks[0].conn.closed, "the server still buffers for a peer that never reads"
     assert len(ranks[0].conn.outbox) <= server.output_bytes + pmi_server.VALLEN_MAX + 256
-    assert time.monotonic() - started < 30  # bounded by the work, not by the peer
     # It is a rank that stopped listening: the job ends, naming it, as for a death.
     watcher.hear()
     abort = watcher.lines()[-1]
