@@ -9,8 +9,7 @@ from keras import ops
 
 from keras_dist import _compat as compat
 from keras_dist import _vocab
-from keras_dist._keras import backends
-from keras_dist._keras import zero
+from keras_dist._keras import backends, zero
 from keras_dist._keras.callbacks import backup_and_restore  # noqa: F401  (see its docstring)
 from keras_dist._keras.gradients import (
     GradientReduction,
