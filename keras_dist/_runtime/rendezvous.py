@@ -64,7 +64,7 @@ class ProcessManager:
             return None
 
 
-def listen(host: str = "", port: int = 0, backlog: int = 64) -> socket.socket:
+def listen(host: str = "", port: int = 0, backlog: int = 1024) -> socket.socket:
     """A listening socket for a job's process manager, bound once (port 0: any
     free port) and handed to ``start_process_manager``: never probed, released
     and bound again."""
@@ -119,8 +119,7 @@ def _serve_here(placement: Placement, timeout: float, secret: bytes) -> None:
             "the same random value on every rank (see the security page of the docs).",
             RuntimeWarning, stacklevel=5)  # kd.init()'s caller
     try:
-        listener = listen("127.0.0.1" if loopback else "", placement.port,
-                          backlog=max(64, placement.size))
+        listener = listen("127.0.0.1" if loopback else "", placement.port)
     except OSError as error:
         raise RendezvousError(
             f"rank 0 cannot listen on port {placement.port} for the rendezvous "

@@ -32,7 +32,8 @@ The server (``LineServer``)
     its buffer passes ``output_bytes``, never waited for); lines capped
     (``UNAUTHENTICATED_LINE_BYTES`` before the proof); at most
     ``max_unauthenticated`` connections waiting to prove themselves (the
-    oldest is dropped for a new one) and each for at most
+    oldest is dropped for a new one once it has had ``stranger_grace_seconds``
+    to answer; until then newcomers are turned away) and each for at most
     ``handshake_seconds`` (whole message, not per ``recv``); ``accept``
     errors (``EMFILE``) drop the oldest stranger or pause accepting, never
     end the loop; an exception while handling a connection closes that
@@ -57,6 +58,10 @@ PROTOCOL = b"keras_dist-rendezvous-1"
 UNAUTHENTICATED_LINE_BYTES = 1024
 #: The longest line a client reads from a server (a fake one may send more).
 CLIENT_LINE_BYTES = 1 << 20
+#: Seconds one attempt of ``connect`` waits for TCP's handshake (a dropped SYN
+#: is sent again by a new attempt rather than by TCP's slower backoff) and,
+#: once connected, for the proof to be answered.
+CONNECT_SECONDS, PROOF_SECONDS = 2.0, 10.0
 _NONCE = re.compile(r"[0-9a-f]{32}")
 _WHOLE = re.compile(r"-?[0-9]{1,9}")
 
@@ -67,6 +72,12 @@ class DeniedError(ConnectionError):
 
 class UnprovenError(ConnectionError):
     """The peer is not a keras_dist server of this job: it did not prove the secret."""
+
+
+class BusyError(ConnectionError):
+    """The server closed the connection before its challenge: it is busy (it
+    turns newcomers away while the connections waiting to prove themselves
+    are many and young). Try again soon."""
 
 
 class ForeignServerError(UnprovenError):
@@ -180,7 +191,7 @@ def authenticate(sock: socket.socket, secret: bytes, cmd: str, claim: dict[str, 
     reader = LineReader(sock)
     raw = reader.line(deadline)
     if raw is None:
-        raise ConnectionError("the server closed the connection before its challenge")
+        raise BusyError("the server closed the connection before its challenge")
     challenge = parse_line(raw)
     job, server_nonce = challenge.get("job", ""), challenge.get("nonce", "")
     if challenge.get("cmd") != "kd_challenge" or not _NONCE.fullmatch(server_nonce):
@@ -208,11 +219,12 @@ def connect(address: tuple[str, int], secret: bytes, cmd: str, claim: dict[str, 
             deadline: float, pauses: tuple[float, float] = (0.05, 1.0),
             ) -> tuple[socket.socket, LineReader]:
     """A connection to the server at ``address`` that has proved the secret both
-    ways (``authenticate``). Tries again, pausing ``pauses[0]`` seconds and
-    doubling up to ``pauses[1]``, until ``deadline`` (``time.monotonic()``)
-    while nothing listens there yet or the server closed the connection
-    before the proof (a busy server drops the oldest connections that have
-    not proved themselves yet).
+    ways (``authenticate``). Tries again until ``deadline``
+    (``time.monotonic()``): after ``pauses[0]`` seconds when the server was
+    busy (it turned this connection away, ``BusyError``, or did not complete
+    an attempt within ``CONNECT_SECONDS`` / ``PROOF_SECONDS``), else pausing
+    ``pauses[0]`` seconds and doubling up to ``pauses[1]`` while nothing
+    listens there yet, or the connection broke before the proof.
 
     Raises:
         DeniedError, UnprovenError: at once (the secrets differ; not this job's
@@ -222,21 +234,26 @@ def connect(address: tuple[str, int], secret: bytes, cmd: str, claim: dict[str, 
     pause = pauses[0]
     while True:
         sock = None
+        start = time.monotonic()
         try:
-            sock = socket.create_connection(address,
-                                            timeout=max(0.1, deadline - time.monotonic()))
+            sock = socket.create_connection(
+                address, timeout=max(0.1, min(deadline - start, CONNECT_SECONDS)))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock, authenticate(sock, secret, cmd, claim, deadline)
+            return sock, authenticate(sock, secret, cmd, claim,
+                                      min(deadline, time.monotonic() + PROOF_SECONDS))
         except (DeniedError, UnprovenError):
             sock.close()
             raise
-        except OSError:  # refused, reset, closed before the proof, timed out
+        except OSError as error:  # busy, refused, reset, closed before the proof, timed out
             if sock is not None:
                 sock.close()
-            if time.monotonic() + pause > deadline:
+            busy = isinstance(error, (BusyError, TimeoutError))  # a flooded server
+            wait = pauses[0] if busy else pause
+            if time.monotonic() + wait > deadline:
                 raise
-        time.sleep(pause)
-        pause = min(pause * 2, pauses[1])
+        if not busy:
+            pause = min(pause * 2, pauses[1])
+        time.sleep(wait)
 
 
 class Connection:
@@ -265,6 +282,12 @@ class LineServer:
     """
 
     max_unauthenticated = 256
+    #: Seconds a connection that has not proved itself is kept before a newer
+    #: one may take its place (room for a client's round trip on a loaded
+    #: machine): while every waiting connection is younger, newcomers are
+    #: turned away instead (``BusyError`` for the client, which tries again),
+    #: so a flood of connections cannot starve a rank that is proving itself.
+    stranger_grace_seconds = 1.0
     handshake_seconds = 5.0
     #: Longest line from a proven connection.
     line_bytes = 64 << 10
@@ -304,16 +327,22 @@ class LineServer:
         self.selector.register(fileobj, selectors.EVENT_READ, when_readable)
 
     # -- connections ------------------------------------------------------------
-    def adopt(self, sock: socket.socket, peer: str = "?") -> Connection:
-        """Serves ``sock`` (accepted here, or handed over): challenges it first."""
+    def adopt(self, sock: socket.socket, peer: str = "?") -> Connection | None:
+        """Serves ``sock`` (accepted here, or handed over): challenges it first.
+        Returns None when it was turned away (too many young strangers)."""
+        now = time.monotonic()
+        while len(self.strangers) >= self.max_unauthenticated:
+            oldest = next(iter(self.strangers))
+            if now - oldest.accepted < self.stranger_grace_seconds:
+                sock.close()
+                return None
+            self.close(oldest)
         sock.setblocking(False)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass  # not TCP (a socket pair in tests)
-        while len(self.strangers) >= self.max_unauthenticated:
-            self.close(next(iter(self.strangers)))
-        conn = Connection(sock, peer, time.monotonic())
+        conn = Connection(sock, peer, now)
         self.strangers[conn] = None
         self.connections.add(conn)
         self.selector.register(sock, selectors.EVENT_READ, conn)

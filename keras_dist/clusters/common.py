@@ -41,7 +41,7 @@ class JobProcessManager:
 
     def __init__(self, size: int, timeout: float, secret: str,
                  env: dict[str, str] | None = None) -> None:
-        listener = rendezvous.listen("", 0, backlog=max(64, size))
+        listener = rendezvous.listen("", 0)
         self.manager = rendezvous.start_process_manager(listener, size, timeout,
                                                         secret.encode(), env)
         self.port = self.manager.port

@@ -213,15 +213,22 @@ def test_a_line_past_the_cap_closes_that_connection_only():
     assert not server.done and not server.errors
 
 
-def test_the_stranger_past_the_cap_evicts_the_oldest():
+def test_past_the_cap_a_newcomer_is_turned_away_until_the_oldest_has_had_its_grace():
     server = serve()
-    peers = [connect(server) for _ in range(server.max_unauthenticated + 1)]
-    for peer in peers:
-        peer.hear()
+    peers = [connect(server) for _ in range(server.max_unauthenticated)]
+    # Every waiting stranger is young: the newcomer is turned away unheard
+    # (a rank's client tries again), so a flood cannot starve one proving itself.
+    turned_away = connect(server)
+    assert turned_away.conn is None and turned_away.closed and not turned_away.lines()
+    assert not any(peer.closed for peer in peers)
+    # Once the oldest has had its grace to answer, a newcomer takes its place.
+    peers[0].conn.accepted -= server.stranger_grace_seconds
+    newcomer = connect(server)
+    peers[0].hear()
     assert peers[0].closed and peers[0].conn.closed
-    assert not any(peer.closed for peer in peers[1:])
-    assert list(server.strangers) == [peer.conn for peer in peers[1:]]
-    for peer in peers[1:]:
+    assert [line["cmd"] for line in newcomer.lines()] == ["kd_challenge"]
+    assert list(server.strangers) == [peer.conn for peer in peers[1:]] + [newcomer.conn]
+    for peer in [*peers[1:], newcomer]:
         peer.sock.close()
     pump(server)
     assert not server.strangers and not server.errors

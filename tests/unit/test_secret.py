@@ -76,7 +76,7 @@ def test_rank_0_says_when_its_port_is_open_without_a_secret(monkeypatch, host, s
                                                             interface, warned):
     bound = []
 
-    def listen(where, port, backlog):
+    def listen(where, port, backlog=None):
         bound.append(where)
         raise OSError("stop here")
     monkeypatch.setattr(rendezvous, "listen", listen)

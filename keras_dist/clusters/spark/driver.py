@@ -196,7 +196,7 @@ class DriverRelay(wire.LineServer):
         dual = socket.has_dualstack_ipv6()  # executors may reach the driver by either family
         listener = socket.create_server(
             ("", 0), family=socket.AF_INET6 if dual else socket.AF_INET, dualstack_ipv6=dual,
-            backlog=max(64, size))
+            backlog=1024)
         super().__init__(listener, secret.encode(), job=secrets.token_hex(8))
         self.port = listener.getsockname()[1]
         self.size = size
