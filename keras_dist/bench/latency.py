@@ -37,7 +37,6 @@ reference (``collectives.checks.count_wrong_*``); the exit status is 1 when any
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -201,8 +200,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m keras_dist.bench`` dispatches here (``bench/__main__.py``)."""
     return run(parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -207,16 +207,23 @@ def test_mnist_example_trains_to_the_same_weights_on_every_rank(executor, tmp_pa
     assert (tmp_path / "checkpoint-1.keras").is_file()
 
 
-@pytest.mark.timeout(120)
-def test_a_killed_worker_ends_run_naming_its_rank_and_start_makes_a_new_job(cluster):
-    executor = RayExecutor(num_workers=3, placement_strategy="SPREAD")
+def _failing_job(executor: RayExecutor, fn):
+    """Starts a job and runs ``fn``, which fails on rank 1: the error, and the
+    job's processes and segments (for the check that nothing is left)."""
     executor.start()
     _, pids, segments = _job_traces(executor)
     try:
         with pytest.raises(PeerFailureError) as raised:
-            executor.run(ray_workers.die_on_rank, args=(1,))
+            executor.run(fn, args=(1,))
     finally:
         executor.shutdown()
+    return raised, pids, segments
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_ends_run_naming_its_rank_and_start_makes_a_new_job(cluster):
+    executor = RayExecutor(num_workers=3, placement_strategy="SPREAD")
+    raised, pids, segments = _failing_job(executor, ray_workers.die_on_rank)
     assert raised.value.peer_rank == 1, str(raised.value)
     assert str(raised.value).startswith("rank 1 of 3 failed during run(): rank 1 (host "), \
         str(raised.value)
@@ -236,13 +243,7 @@ def test_a_killed_worker_ends_run_naming_its_rank_and_start_makes_a_new_job(clus
 @pytest.mark.timeout(120)
 def test_an_exception_on_one_rank_ends_run_naming_its_rank(cluster):
     executor = RayExecutor(num_workers=2, placement_strategy="SPREAD")
-    executor.start()
-    _, pids, segments = _job_traces(executor)
-    try:
-        with pytest.raises(PeerFailureError) as raised:
-            executor.run(ray_workers.raise_on_rank, args=(1,))
-    finally:
-        executor.shutdown()
+    raised, pids, segments = _failing_job(executor, ray_workers.raise_on_rank)
     assert raised.value.peer_rank == 1
     assert str(raised.value).startswith(
         "rank 1 of 2 raised Boom in run(): boom on rank 1"), str(raised.value)

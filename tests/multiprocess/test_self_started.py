@@ -166,14 +166,19 @@ def test_ranks_given_different_secrets_fail_in_one_sentence_not_a_hang():
     assert not result.leftovers, result.describe()
 
 
-@pytest.mark.timeout(60)
-def test_a_rank_that_never_comes_is_named_within_the_rendezvous_timeout():
-    port = free_port()
-    alone = torchrun_variables(3, port)
+def _alone(variables):
+    """One process of a larger job, started alone with a rendezvous timeout of
+    2 s: its start must fail, within the timeout."""
     result = run_self_started([sys.executable, SELF, "report"], np=1, timeout=50,
                               env={**QUIET, "KERAS_DIST_RENDEZVOUS_TIMEOUT": "2"},
-                              variables=alone)  # rank 0 of 3, the others never start
+                              variables=variables)
     assert not result.timed_out and result.returncode != 0, result.describe()
+    return result
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_never_comes_is_named_within_the_rendezvous_timeout():
+    result = _alone(torchrun_variables(3, free_port()))  # rank 0 of 3, the others never start
     assert "ranks [1, 2] of 3 did not reach the rendezvous within 2 s " \
            "(KERAS_DIST_RENDEZVOUS_TIMEOUT)" in result.output(0), result.describe()
     assert "RendezvousError" in result.output(0), result.describe()
@@ -184,10 +189,7 @@ def test_a_rank_that_never_comes_is_named_within_the_rendezvous_timeout():
 def test_a_rendezvous_nobody_listens_on_is_named_within_the_timeout():
     port = free_port()
     torchrun = torchrun_variables(2, port)
-    result = run_self_started([sys.executable, SELF, "report"], np=1, timeout=50,
-                              env={**QUIET, "KERAS_DIST_RENDEZVOUS_TIMEOUT": "2"},
-                              variables=lambda rank: torchrun(1))  # rank 1 without rank 0
-    assert not result.timed_out and result.returncode != 0, result.describe()
+    result = _alone(lambda rank: torchrun(1))  # rank 1 without rank 0
     assert f"rank 1 of 2 could not reach the rendezvous at 127.0.0.1:{port} (torchrun's " \
            "variables) within 2 s (KERAS_DIST_RENDEZVOUS_TIMEOUT)" in result.output(0), \
         result.describe()

@@ -38,7 +38,6 @@ inputs and the check ``checks``, the timing ``measure``, the rows ``table``;
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -140,8 +139,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m keras_dist.bench`` dispatches here (``bench/__main__.py``)."""
     return run(parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
