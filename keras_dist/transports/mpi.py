@@ -27,8 +27,8 @@ import numpy as np
 from keras_dist import _vocab
 from keras_dist._runtime.liveness import Waiter, describe_peers
 from keras_dist.errors import CollectiveMismatchError
-from keras_dist.transports import ring
 from keras_dist.transports.base import Transport
+from keras_dist.transports.ring import allreduce as ring_allreduce
 
 #: Arrival-board value of a rank that has closed its transport (left the group).
 _LEFT = -1
@@ -200,7 +200,7 @@ class MpiTransport(Transport):
             flat = buf.reshape(-1)
             if send is not None:
                 np.copyto(flat, send.reshape(-1))
-            ring.allreduce(self.comm, flat, self._local_ops[op], self._ring_buffer(flat))
+            ring_allreduce(self.comm, flat, self._local_ops[op], self._ring_buffer(flat))
             return
         mpi_op = self._ops[op]
         if _vocab.is_half(buf.dtype):
