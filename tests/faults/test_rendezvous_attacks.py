@@ -78,16 +78,22 @@ def peak_rss_kib(pid):
 
 
 def until_listening(port, deadline):
-    """Waits until rank 0's process manager listens on ``port``, connecting as a
-    rank does until then (a refused connection is the answer that it does not yet)."""
+    """Waits until rank 0's process manager serves on ``port``: until a
+    connection gets its first line, the challenge. Rank 0 binds the port
+    before it starts the manager, so a connection that is merely accepted (by
+    the listen backlog) says nothing about the manager; a refused one says
+    that nothing listens yet."""
     pause = 0.01
     while True:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=5).close()
-            return
-        except ConnectionRefusedError:
-            if time.monotonic() > deadline:
-                raise
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.settimeout(max(1.0, deadline - time.monotonic()))
+                if sock.makefile("rb").readline().startswith(b"kd_challenge"):
+                    return
+        except (ConnectionRefusedError, ConnectionResetError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no process manager served on port {port}")
         threading.Event().wait(pause)
         pause = min(pause * 2, 0.2)
 
