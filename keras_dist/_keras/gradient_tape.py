@@ -5,7 +5,7 @@ from __future__ import annotations
 from keras_dist import _vocab
 from keras_dist._keras.gradients import GradientReduction, check_groups, check_local_layers
 from keras_dist.tensor.compression import Compression
-from keras_dist.tensor.conversions import not_converted_by_autograph
+from keras_dist.tensor.tf.errors import not_converted_by_autograph
 
 
 class DistributedGradientTape:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from keras_dist.tensor import conversions
+from keras_dist.tensor import kinds
 
 
 class _NoCompression:
@@ -24,14 +24,14 @@ class _FP16Compression:
 
     @staticmethod
     def compress(value):
-        dtype = conversions.dtype_of(value)
+        dtype = kinds.dtype_of(value)
         if not np.issubdtype(dtype, np.floating) or dtype == np.float16:
             return value, None
-        return conversions.cast(value, np.float16), dtype
+        return kinds.cast(value, np.float16), dtype
 
     @staticmethod
     def decompress(value, ctx):
-        return value if ctx is None else conversions.cast(value, ctx)
+        return value if ctx is None else kinds.cast(value, ctx)
 
 
 class Compression:

@@ -3,10 +3,10 @@
 The collectives in ``ops`` see numpy arrays only. ``run`` is the one bridge
 from a numpy function to TensorFlow (eager or graph execution, gradients,
 the TensorFlow error classes a TF caller expects), JAX and the device path.
-Beside it, each concern in its own module, re-exported here: what kind a
-value is and its numpy conversions (``kinds``), the TensorFlow error classes
-(``tf.errors``), the device path (``device_path``) and a traced step's
-outputs as one buffer (``tf.graph_buffer``).
+It uses, each from its own module: what kind a value is and its numpy
+conversions (``kinds``), a collective's ways of running (``collective``), the
+TensorFlow error classes (``tf.errors``), the device path (``device_path``)
+and a traced step's outputs as one buffer (``tf.graph_buffer``).
 """
 
 from __future__ import annotations
@@ -20,44 +20,21 @@ import numpy as np
 from keras_dist import _compat
 from keras_dist._runtime import context
 from keras_dist.errors import CollectiveMismatchError
-from keras_dist.tensor.collective import Collective, GradFn  # noqa: F401 (re-exported)
+from keras_dist.tensor.collective import Collective, GradFn
 from keras_dist.tensor.counters import COUNTERS
 from keras_dist.tensor.device_path import device_path, run_on_device
 from keras_dist.tensor.kinds import (
-    _jax,
-    _tf,
-    after,
-    assign_and_read,
-    cast,
-    dtype_of,
-    executing_eagerly,
-    group_op,
-    is_cupy,
-    is_indexed_slices,
     is_jax,
     is_symbolic,
     is_tf,
-    is_torch,
+    jax_glue,
     like,
+    tf_glue,
     to_numpy,
     unwrap,
 )
-from keras_dist.tensor.tf.errors import (
-    _FAILURE_PREFIX,
-    _SUCCESS,
-    _SUCCESS_OUT,
-    as_tf_error,
-    not_converted_by_autograph,
-    raising_tf_errors,
-)
-from keras_dist.tensor.tf.graph_buffer import BufferLayout, buffer_layout, from_buffer, to_buffer
-
-__all__ = [
-    "BufferLayout", "Collective", "GradFn", "after", "as_tf_error", "assign_and_read", "cast",
-    "device_path", "dtype_of", "executing_eagerly", "group_op", "is_cupy", "is_indexed_slices",
-    "is_jax", "is_symbolic", "is_tf", "is_torch", "like", "not_converted_by_autograph",
-    "raising_tf_errors", "run", "run_on_device", "to_numpy", "unwrap",
-]
+from keras_dist.tensor.tf.errors import FAILURE_PREFIX, SUCCESS, SUCCESS_OUT, as_tf_error
+from keras_dist.tensor.tf.graph_buffer import buffer_layout, from_buffer, to_buffer
 
 #: Per TF1 graph: the name of the collective op built last in it, which the
 #: next one built waits for (``_after_previous_collective``); None while a
@@ -93,8 +70,8 @@ def run(values: Sequence, collective: Collective) -> list:
             class (``as_tf_error``), in eager and graph execution alike.
     """
     values = [unwrap(v) for v in values]
-    if any(is_jax(v) and _jax().is_traced(v) for v in values):
-        return _jax().run_traced(values, collective)
+    if any(is_jax(v) and jax_glue().is_traced(v) for v in values):
+        return jax_glue().run_traced(values, collective)
     numpy_fn = collective.numpy_fn
     on_device = collective.device_fn if collective.outputs_like_inputs else None
     if not any(is_tf(v) for v in values):
@@ -114,7 +91,7 @@ def run(values: Sequence, collective: Collective) -> list:
         if symbolic:
             if not tf.compat.v1.executing_eagerly_outside_functions():
                 group = context.get()
-                _tf().number_gpus_as_sessions(group.local_rank, group.local_size)
+                tf_glue().number_gpus_as_sessions(group.local_rank, group.local_size)
             device = on_device if on_device and _tf_device_path_available() else None
             if collective.graph_kernel is not None and device is None:
                 with _after_previous_collective() as remember:
@@ -146,7 +123,7 @@ def run(values: Sequence, collective: Collective) -> list:
 
 def _tf_to_numpy(tensors: Sequence) -> list[np.ndarray]:
     """Eager TF tensors as numpy arrays (those in GPU memory counted as copies)."""
-    COUNTERS["device_to_host"] += sum(1 for t in tensors if _tf().on_gpu(t))
+    COUNTERS["device_to_host"] += sum(1 for t in tensors if tf_glue().on_gpu(t))
     return [t.numpy() for t in tensors]
 
 
@@ -168,7 +145,7 @@ def _tf_device_path_available() -> bool:
         return False
     from keras_dist.tensor import gpu
 
-    return _tf().gpu_visible() and gpu.usable_cupy() is not None
+    return tf_glue().gpu_visible() and gpu.usable_cupy() is not None
 
 
 def _templates(inputs: Sequence, count: int) -> list:
@@ -289,9 +266,9 @@ def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | N
             # Outputs of the right dtypes for the op to finish; the ReadFile
             # op below fails the step before anything reads them.
             results = [np.zeros(0, dtype.as_numpy_dtype) for dtype in wire_dtypes]
-            status = (_FAILURE_PREFIX + f"keras_dist {type(error).__name__}: {error}")
+            status = (FAILURE_PREFIX + f"keras_dist {type(error).__name__}: {error}")
             return [*results, np.bytes_(status.encode()[:3000])]
-        return [*results, _SUCCESS_OUT]
+        return [*results, SUCCESS_OUT]
 
     with _after_previous_collective() as remember:
         if device_fn is None:
@@ -305,7 +282,7 @@ def _graph_op(tensors: list, numpy_fn: Callable, name: str, shapes: Callable | N
     status.set_shape(())
     if tf.compat.v1.executing_eagerly_outside_functions():
         # Only a failed step reads a file (and fails there); a good one skips it.
-        check = tf.cond(tf.equal(status, _SUCCESS), lambda: tf.constant(""),
+        check = tf.cond(tf.equal(status, SUCCESS), lambda: tf.constant(""),
                         lambda: tf.io.read_file(status, name=f"keras_dist_{name}_status"))
     else:
         # A TF1 graph reads the status every step (a good one: os.devnull, empty):

@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from keras_dist.tensor.kinds import _jax, _tf, _torch, is_jax, is_symbolic, is_tf, is_torch
+from keras_dist.tensor.kinds import (
+    is_jax,
+    is_symbolic,
+    is_tf,
+    is_torch,
+    jax_glue,
+    tf_glue,
+    torch_glue,
+)
 
 
 def device_path(values: Sequence):
@@ -24,11 +32,11 @@ def device_path(values: Sequence):
     if not values:
         return None
     if all(is_torch(v) for v in values):
-        glue = _torch()
-    elif all(is_jax(v) and not _jax().is_traced(v) for v in values):
-        glue = _jax()
+        glue = torch_glue()
+    elif all(is_jax(v) and not jax_glue().is_traced(v) for v in values):
+        glue = jax_glue()
     elif all(is_tf(v) and not is_symbolic(v) for v in values):
-        glue = _tf()
+        glue = tf_glue()
     else:
         return None
     xp = glue.device_module(values)

@@ -32,16 +32,19 @@ from keras_dist import _vocab
 from keras_dist._runtime import context, timeline
 from keras_dist._vocab import Average, ReduceOp
 from keras_dist.errors import CollectiveMismatchError
-from keras_dist.tensor import conversions, gather_records, outputs
+from keras_dist.tensor import gather_records, kinds, outputs
 from keras_dist.tensor.checks import check_byte_dtypes as _check_byte_dtypes
 from keras_dist.tensor.checks import check_dtypes as _check_dtypes
 from keras_dist.tensor.checks import check_op as _check_op
+from keras_dist.tensor.collective import Collective
 from keras_dist.tensor.compression import Compression
-from keras_dist.tensor.conversions import Collective, dtype_of, raising_tf_errors, run, unwrap
+from keras_dist.tensor.conversions import run
 from keras_dist.tensor.counters import COUNTERS
 from keras_dist.tensor.gather_records import MAX_NDIM as _MAX_GATHER_NDIM
+from keras_dist.tensor.kinds import dtype_of, unwrap
 from keras_dist.tensor.ops import _allreduce_arrays, allgather, allreduce
 from keras_dist.tensor.tf import ops as tf_ops
+from keras_dist.tensor.tf.errors import raising_tf_errors
 
 
 def _disagreement(descriptions: np.ndarray) -> str | None:
@@ -302,7 +305,7 @@ def _grouped_allgather_grad(process_set):
         grads: list = []
         done: list = []
         for x, y, u in zip(inputs, outputs_, upstream):
-            with conversions.after(done):
+            with kinds.after(done):
                 g = single([x], [y], [u])[0]
             grads.append(g)
             if g is not None:

@@ -90,7 +90,7 @@ _BYTE = np.dtype(np.uint8)
 class AlignedViews(list):
     """``aligned_like``'s arrays, with ``region``: the bytes that hold them all
     (a uint8 array; array ``i`` starts at ``aligned_offsets(...)[0][i]``), which
-    a traced TensorFlow step takes as one output (``conversions``)."""
+    a traced TensorFlow step takes as one output (``tf.graph_buffer``)."""
 
     region: np.ndarray
 

@@ -2,7 +2,7 @@
 
 The tensor layer hands device arrays here, already validated: cupy arrays
 from the user, or framework tensors (TensorFlow, PyTorch, JAX on a GPU)
-handed over by DLPack (``conversions.device_path``). They are fused by dtype
+handed over by DLPack (``device_path.device_path``). They are fused by dtype
 on the device (each member starting on an ``ALIGN_BYTES`` boundary, so
 every result is an aligned view of it), and each fused buffer is reduced by the transport
 ``KERAS_DIST_GPU_OPERATIONS`` chooses (``transports.gpu_transport``): NCCL,

@@ -30,22 +30,28 @@ def is_jax(value) -> bool:
     return type(value).__module__.startswith(("jax", "jaxlib"))
 
 
-def _torch():
-    from keras_dist.tensor import torch_glue
+# Each framework's glue module, imported when first asked for (so the
+# framework itself only once a value of its kind is seen).
 
-    return torch_glue
+def torch_glue():
+    """The ``torch_glue`` module."""
+    from keras_dist.tensor import torch_glue as glue
 
-
-def _jax():
-    from keras_dist.tensor import jax_glue
-
-    return jax_glue
+    return glue
 
 
-def _tf():
-    from keras_dist.tensor.tf import glue as tf_glue
+def jax_glue():
+    """The ``jax_glue`` module."""
+    from keras_dist.tensor import jax_glue as glue
 
-    return tf_glue
+    return glue
+
+
+def tf_glue():
+    """The ``tf.glue`` module."""
+    from keras_dist.tensor.tf import glue
+
+    return glue
 
 
 def is_indexed_slices(value) -> bool:
@@ -65,7 +71,7 @@ def dtype_of(value) -> np.dtype:
     if is_tf(value):
         return np.dtype(value.dtype.as_numpy_dtype)
     if is_torch(value):
-        return _torch().numpy_dtype(value)
+        return torch_glue().numpy_dtype(value)
     if hasattr(value, "dtype"):
         return np.dtype(value.dtype)
     return np.asarray(value).dtype
@@ -80,7 +86,7 @@ def cast(value, dtype):
     if is_cupy(value) or is_jax(value):
         return value.astype(dtype)
     if is_torch(value):
-        return _torch().cast(value, dtype)
+        return torch_glue().cast(value, dtype)
     return np.asarray(value).astype(dtype)
 
 
@@ -108,9 +114,9 @@ def to_numpy(value) -> np.ndarray:
         COUNTERS["device_to_host"] += 1
         return value.get()
     if is_torch(value):
-        return _torch().to_numpy(value)
+        return torch_glue().to_numpy(value)
     if is_jax(value):
-        return _jax().to_numpy(value)
+        return jax_glue().to_numpy(value)
     array = np.asarray(value)
     if array.dtype == object:
         raise TypeError(
@@ -133,9 +139,9 @@ def like(template, array: np.ndarray):
         with template.device:  # on the template's GPU, not the current one
             return cupy.asarray(array)
     if is_torch(template):
-        return _torch().like(template, array)
+        return torch_glue().like(template, array)
     if is_jax(template):
-        return _jax().like(template, array)
+        return jax_glue().like(template, array)
     if isinstance(template, np.ndarray):
         return array
     if np.ndim(template) == 0 and not isinstance(template, np.generic):

@@ -22,7 +22,7 @@ from keras_dist.tensor.native_plan import NativeReduction
 
 def graph_kernel(op: ReduceOp, prescale: float, postscale: float, label: str, group,
                  labels: list[str] | None, plain: bool):
-    """For a ``conversions.Collective``'s ``graph_kernel``: the traced TF step's
+    """For a ``collective.Collective``'s ``graph_kernel``: the traced TF step's
     allreduce as keras_dist's own op
     (``tf.kernel``), or None where the group or the call needs the numpy path
     (also a call not ``plain``: one that reduces otherwise, as Adasum does)."""
@@ -40,7 +40,7 @@ def graph_kernel(op: ReduceOp, prescale: float, postscale: float, label: str, gr
 
 def xla_kernel(op: ReduceOp, prescale: float, postscale: float, label: str, group,
                labels: list[str] | None, plain: bool):
-    """For a ``conversions.Collective``'s ``xla_kernel``: a jitted JAX step's
+    """For a ``collective.Collective``'s ``xla_kernel``: a jitted JAX step's
     allreduce on the CPU through
     keras_dist's XLA FFI handler (``jax_glue.native_allreduce``): a builder
     of the traced values' outputs, or of None where the group, the call (one
@@ -78,7 +78,7 @@ def natively_scaled(prescale: float, postscale: float, dtypes: list[np.dtype]) -
 
 
 def kernel_for(group, alone, make, enabled: bool):
-    """The builder a ``conversions.Collective`` takes as ``graph_kernel``: ``alone`` in a
+    """The builder a ``collective.Collective`` takes as ``graph_kernel``: ``alone`` in a
     group of one rank (None: the numpy path there too), ``make(transport,
     engine)`` where the group's transport has a native engine
     (``Transport.native_engine``), else None (the numpy path; also where the
@@ -160,7 +160,7 @@ def allreduce_builder(transport, engine, op: ReduceOp, prescale: float, postscal
 
 
 def gather_kernel(names: list[str], group):
-    """For a ``conversions.Collective``'s ``graph_kernel``: a traced TF step's
+    """For a ``collective.Collective``'s ``graph_kernel``: a traced TF step's
     allgathers of its inputs
     (input i named ``names[i]``) as keras_dist's own op (``tf.kernel``), or
     None where the group or the op library needs the numpy path."""

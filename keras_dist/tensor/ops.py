@@ -29,24 +29,18 @@ from keras_dist.tensor import (
     conversions,
     fusion,
     gather_records,
+    kinds,
     native_kernels,
     one_call,
     outputs,
 )
+from keras_dist.tensor.collective import Collective
 from keras_dist.tensor.compression import Compression
-from keras_dist.tensor.conversions import (
-    Collective,
-    dtype_of,
-    is_cupy,
-    is_indexed_slices,
-    is_symbolic,
-    not_converted_by_autograph,
-    raising_tf_errors,
-    run,
-    unwrap,
-)
+from keras_dist.tensor.conversions import run
 from keras_dist.tensor.counters import COUNTERS
+from keras_dist.tensor.kinds import dtype_of, is_cupy, is_indexed_slices, is_symbolic, unwrap
 from keras_dist.tensor.tf import ops as tf_ops
+from keras_dist.tensor.tf.errors import not_converted_by_autograph, raising_tf_errors
 
 # ---------------------------------------------------------------------------
 # Numpy cores: flat buffers through the transport.
@@ -106,7 +100,7 @@ def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
         arrays, op, name, group.config.fusion_threshold_bytes)
     # Every result is a view of one aligned buffer, in the order of `arrays`:
     # one allocation, and no copy when a traced TensorFlow step takes them
-    # (as that buffer, `conversions`) from tf.numpy_function.
+    # (as that buffer, `tf.graph_buffer`) from tf.numpy_function.
     outputs = results if results is not None else fusion.aligned_views(arrays, offsets, total)
     # A transport that reduces parts (shm) reduces a bucket from the arrays
     # straight into the results, without a fused buffer, when nothing is
@@ -305,11 +299,11 @@ def grouped_allreduce(xs: Sequence, op: ReduceOp | None = None, name: str | None
     results: list = [None] * len(xs)
     done: list = []  # each collective runs after the previous one, in graphs too
     for i in sparse:
-        with conversions.after(done):
+        with kinds.after(done):
             results[i] = _allreduce_sparse(xs[i], op, name, group, process_set)
         done = [results[i].indices]
     if dense:
-        with conversions.after(done):
+        with kinds.after(done):
             reduced = _grouped_allreduce_dense([xs[i] for i in dense], op, name, prescale,
                                                postscale, compression, group, process_set)
         for i, result in zip(dense, reduced):
@@ -326,7 +320,7 @@ def grouped_allreduce_gradients(xs: Sequence, op: ReduceOp, prescale_factor: flo
     backward pass has just written; any other values (or tensors sharing
     memory) as ``grouped_allreduce``."""
     if (compression is not Compression.none or op is _vocab.Adasum or not xs
-            or not all(conversions.is_torch(x) and x.device.type == "cpu"
+            or not all(kinds.is_torch(x) and x.device.type == "cpu"
                        and x.is_contiguous() for x in xs)
             or len({x.data_ptr() for x in xs if x.numel()}) < sum(1 for x in xs if x.numel())):
         return grouped_allreduce(xs, op=op, prescale_factor=prescale_factor,
@@ -334,7 +328,7 @@ def grouped_allreduce_gradients(xs: Sequence, op: ReduceOp, prescale_factor: flo
                                  process_set=process_set)
     op = checks.check_op(op, None)
     group = context.group_for(process_set)
-    arrays = [conversions.to_numpy(x) for x in xs]
+    arrays = [kinds.to_numpy(x) for x in xs]
     checks.check_allreduce_inputs([a.dtype for a in arrays])
     labels = timeline.current_names()
     prescale, postscale = float(prescale_factor), float(postscale_factor)
@@ -387,7 +381,7 @@ def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale:
 
 def _in_place(op: ReduceOp, prescale: float, postscale: float, name: str, group,
               labels: list[str] | None):
-    """The allreduce as a ``conversions.Collective``'s ``in_place``: each result left
+    """The allreduce as a ``collective.Collective``'s ``in_place``: each result left
     in its array (a copy only where a group of one rank scales)."""
     def run_in_place(arrays: list[np.ndarray]) -> None:
         results = _allreduce_arrays(arrays, op, prescale, postscale, name, group, labels,
@@ -401,7 +395,7 @@ def _in_place(op: ReduceOp, prescale: float, postscale: float, name: str, group,
 
 def _device_allreduce(op: ReduceOp, prescale: float, postscale: float, name: str | None,
                       group, labels: list[str] | None = None):
-    """The allreduce on device arrays (a ``conversions.Collective``'s ``device_fn``): GPU
+    """The allreduce on device arrays (a ``collective.Collective``'s ``device_fn``): GPU
     tensors of the job's group reduced on the GPU data plane; None (the host
     path) for Adasum and process sets, which the GPU path does not serve."""
     if op is _vocab.Adasum or group is not context.get():
@@ -430,7 +424,7 @@ def gather_rows(values, indices, name: str | None = None, process_set=None) -> t
     kernel = native_kernels.gather_kernel([n or "allgather" for n in names], group)
     if kernel is None or not all(is_symbolic(v) for v in (values, indices)):
         gathered = allgather(values, name=names[0], process_set=process_set)
-        with conversions.after([gathered]):
+        with kinds.after([gathered]):
             return gathered, allgather(indices, name=names[1], process_set=process_set)
     checks.check_byte_dtypes([dtype_of(values), dtype_of(indices)], "allgather")
     return tuple(run([values, indices], Collective(
@@ -534,12 +528,12 @@ def broadcast_variables(variables: Sequence, root_rank: int = 0, process_set=Non
         ``session.run`` of its own: it is not ordered after the graph's other
         collectives, nor they after it.
     """
-    if conversions.executing_eagerly():
+    if kinds.executing_eagerly():
         _broadcast_in_place(variables, root_rank, "broadcast_variables", process_set)
         return None
     with conversions.in_a_run_of_their_own():
         values = _broadcast_in_place(variables, root_rank, "broadcast_variables", process_set)
-    return conversions.group_op(values) if values else None
+    return kinds.group_op(values) if values else None
 
 
 def _broadcast_in_place(variables: Sequence, root_rank: int, name: str, process_set) -> list:
@@ -550,10 +544,10 @@ def _broadcast_in_place(variables: Sequence, root_rank: int, name: str, process_
     if not variables:
         return []
     if group.size == 1:
-        return conversions.assign_and_read(variables, None)
+        return kinds.assign_and_read(variables, None)
     values = run(variables, Collective(
         lambda arrays: _broadcast_arrays(arrays, root, name, group), name))
-    return conversions.assign_and_read(variables, values)
+    return kinds.assign_and_read(variables, values)
 
 
 def broadcast_object(obj, root_rank: int = 0, process_set=None):

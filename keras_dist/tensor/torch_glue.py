@@ -4,7 +4,7 @@ Imported only when a torch tensor reaches a collective. A CPU tensor's numpy
 view shares its memory (``Tensor.numpy``). CUDA tensors of the dtypes the
 device path carries go to cupy and back by DLPack, without a host copy, on
 torch's current stream (the ``device_*`` functions, used by
-``conversions.device_path``); others (bfloat16, or cupy missing) go through
+``device_path.device_path``); others (bfloat16, or cupy missing) go through
 host memory. bfloat16, which numpy lacks,
 is viewed as ``ml_dtypes.bfloat16`` through its int16 bits, still without a
 copy. Results come back as tensors on the input's device; collectives on
@@ -59,7 +59,7 @@ def cast(tensor, dtype):
 
 
 # ---------------------------------------------------------------------------
-# The device path (``conversions.device_path``).
+# The device path (``device_path.device_path``).
 
 
 def device_module(tensors):

@@ -16,7 +16,7 @@ import pytest
 import keras_dist as kd
 from keras_dist import _vocab, transports
 from keras_dist._config import Config
-from keras_dist.tensor import conversions, gpu, ops
+from keras_dist.tensor import device_path, gpu, ops
 from keras_dist.tensor.compression import Compression
 
 cupy = pytest.importorskip("cupy", reason="needs cupy (pip install 'keras-dist[cuda12]')")
@@ -94,9 +94,9 @@ def test_torch_cuda_tensors_go_through_nccl_and_come_back_on_their_device(nccl_o
     rng = np.random.default_rng(5)
     host = [rng.standard_normal(s).astype(np.float32) for s in [(300,), (17, 5), (2000,)]]
     values = [torch.from_numpy(h).cuda() for h in host]
-    path = conversions.device_path(values)
+    path = device_path.device_path(values)
     assert path is not None and path[1] is cupy  # the device path, not host memory
-    results = conversions.run_on_device(values, _through_nccl(nccl_one_rank), *path)
+    results = device_path.run_on_device(values, _through_nccl(nccl_one_rank), *path)
     torch.cuda.current_stream().synchronize()
     for result, h in zip(results, host):
         assert isinstance(result, torch.Tensor) and result.is_cuda
@@ -130,9 +130,9 @@ def test_jax_gpu_arrays_eager_and_inside_jit(nccl_one_rank):
     np.testing.assert_array_equal(np.asarray(same), np.arange(1000) * 0.25)
 
     # Eager JAX GPU arrays through the real NCCL transport.
-    path = conversions.device_path([x])
+    path = device_path.device_path([x])
     assert path is not None and path[1] is cupy
-    (reduced,) = conversions.run_on_device([x], _through_nccl(nccl_one_rank), *path)
+    (reduced,) = device_path.run_on_device([x], _through_nccl(nccl_one_rank), *path)
     np.testing.assert_allclose(np.asarray(reduced), np.arange(1000) / 2, rtol=1e-6)
 
 

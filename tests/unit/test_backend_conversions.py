@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist.tensor import conversions
+from keras_dist.tensor import kinds
 
 torch = pytest.importorskip("torch", reason="needs torch (the test extra installs it)")
 jax = pytest.importorskip("jax", reason="needs jax (the test extra installs it)")
@@ -21,14 +21,14 @@ def _initialised():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.bfloat16])
 def test_torch_round_trip_keeps_dtype_shape_and_memory(dtype):
     tensor = (torch.arange(6, dtype=torch.float32).reshape(2, 3) - 2.5).to(dtype)
-    array = conversions.to_numpy(tensor)
+    array = kinds.to_numpy(tensor)
     assert array.shape == (2, 3)
     if dtype != torch.bfloat16:
-        assert array.dtype == conversions.dtype_of(tensor)
+        assert array.dtype == kinds.dtype_of(tensor)
         assert array.ctypes.data == tensor.data_ptr()  # a view, not a copy
-    back = conversions.like(tensor, array)
+    back = kinds.like(tensor, array)
     assert back.dtype == dtype and torch.equal(back, tensor)
-    scalar = conversions.like(tensor, np.asarray(array[0, 0]))
+    scalar = kinds.like(tensor, np.asarray(array[0, 0]))
     assert tuple(scalar.shape) == ()
 
 
@@ -39,8 +39,8 @@ def test_torch_and_jax_values_through_the_public_calls():
     a = jnp.asarray([1.5, -2.0], jnp.float32)
     got = kd.allreduce(a, op=kd.Sum)
     assert isinstance(got, jax.Array) and np.array_equal(np.asarray(got), np.asarray(a))
-    assert conversions.dtype_of(jnp.zeros(2, jnp.bfloat16)).name == "bfloat16"
-    assert conversions.cast(t, np.float16).dtype == torch.float16
+    assert kinds.dtype_of(jnp.zeros(2, jnp.bfloat16)).name == "bfloat16"
+    assert kinds.cast(t, np.float16).dtype == torch.float16
 
 
 def test_jax_traced_allreduce_is_a_host_callback_and_shapes_must_be_static():

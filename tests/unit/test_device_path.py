@@ -17,7 +17,7 @@ import pytest
 import keras_dist as kd
 from keras_dist import _vocab
 from keras_dist._config import Config
-from keras_dist.tensor import conversions, gpu
+from keras_dist.tensor import conversions, device_path, gpu
 from keras_dist.tensor.compression import Compression
 
 torch = pytest.importorskip("torch", reason="needs torch (the test extra installs it)")
@@ -80,8 +80,8 @@ def test_only_gpu_values_of_carried_dtypes_choose_cupy():
     assert torch_glue.device_module([torch.ones(2)]) is None
     assert jax_glue.device_module([jnp.ones(2)]) is None
     assert tf_glue.device_module([tf.ones(2)]) is None
-    assert conversions.device_path([torch.ones(2)]) is None
-    assert conversions.device_path([torch.ones(2), jnp.ones(2)]) is None  # mixed frameworks
+    assert device_path.device_path([torch.ones(2)]) is None
+    assert device_path.device_path([torch.ones(2), jnp.ones(2)]) is None  # mixed frameworks
 
 
 # ---------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def test_grouped_allreduce_on_device_matches_numpy_float64(framework):
     values = [make(m.copy()) for m in mine]
     glue = {"torch": torch_glue, "jax": jax_glue, "tensorflow": tf_glue}[framework]
 
-    results = conversions.run_on_device(
+    results = device_path.run_on_device(
         values, lambda arrays: gpu.grouped_allreduce(
             arrays, kd.Average, 0.5, 2.0, Compression.none, counters, "grads", group),
         glue, np)
@@ -218,7 +218,7 @@ def test_adasum_and_process_sets_keep_the_host_path(monkeypatch):
     calls = _numpy_device(monkeypatch, torch_glue)
     kd.allreduce(torch.ones(4), op=kd.Sum, process_set=kd.global_process_set)
     assert calls == [1]  # the global set is the job's group
-    assert conversions.device_path([torch.ones(2)]) is not None
+    assert device_path.device_path([torch.ones(2)]) is not None
     from keras_dist.tensor import ops
 
     assert ops._device_allreduce(kd.Adasum, 1.0, 1.0, None, kd._get()) is None

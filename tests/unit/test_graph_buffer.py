@@ -10,6 +10,7 @@ import tensorflow as tf  # noqa: E402
 
 from keras_dist.errors import CollectiveMismatchError  # noqa: E402
 from keras_dist.tensor import conversions, fusion  # noqa: E402
+from keras_dist.tensor.collective import Collective  # noqa: E402
 from keras_dist.tensor.tf import graph_buffer  # noqa: E402
 
 # (shape, dtype, leaves the op in the buffer): up to 64 KiB, aligned or not,
@@ -50,7 +51,7 @@ def test_traced_outputs_leave_in_one_buffer_and_keep_their_values(numpy_fn):
     arrays = _inputs()
     values = [tf.constant(a) for a in arrays]
     traced = tf.function(lambda *xs: conversions.run(
-        list(xs), conversions.Collective(numpy_fn, "t", one_buffer=True)))
+        list(xs), Collective(numpy_fn, "t", one_buffer=True)))
     for _ in range(2):
         got = traced(*values)
         for (shape, dtype, _), array, result in zip(SPECS, arrays, got):
@@ -61,7 +62,7 @@ def test_traced_outputs_leave_in_one_buffer_and_keep_their_values(numpy_fn):
     # The buffer once per dtype in it, the others, the status.
     assert _host_call_outputs(traced, values) == kinds + alone + 1
     plain = tf.function(lambda *xs: conversions.run(
-        list(xs), conversions.Collective(numpy_fn, "t")))
+        list(xs), Collective(numpy_fn, "t")))
     assert _host_call_outputs(plain, values) == len(SPECS) + 1
 
 
@@ -89,6 +90,6 @@ def test_a_mismatch_fails_the_traced_step_as_a_failed_precondition():
 
     values = [tf.constant(np.ones(4, np.float32)), tf.constant(np.ones(3, np.float32))]
     traced = tf.function(lambda *xs: conversions.run(
-        list(xs), conversions.Collective(mismatched, "t", one_buffer=True)))
+        list(xs), Collective(mismatched, "t", one_buffer=True)))
     with pytest.raises(tf.errors.FailedPreconditionError, match="ranks disagree"):
         traced(*values)

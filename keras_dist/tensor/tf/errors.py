@@ -25,12 +25,13 @@ import numpy as np
 from keras_dist.errors import CollectiveMismatchError
 from keras_dist.tensor.kinds import is_tf, unwrap
 
-_FAILURE_PREFIX = os.devnull + "/"
-_SUCCESS = np.bytes_(os.devnull.encode())
+# A failed step's status is this prefix and the message; a good one's, SUCCESS.
+FAILURE_PREFIX = os.devnull + "/"
+SUCCESS = np.bytes_(os.devnull.encode())
 # What a good step's numpy function returns as its status: TensorFlow passes
 # a 0-d object array of bytes through as it is, where a bytes scalar costs it
 # a second conversion (``FuncRegistry._convert``).
-_SUCCESS_OUT = np.array(_SUCCESS, dtype=object)
+SUCCESS_OUT = np.array(SUCCESS, dtype=object)
 
 
 def _tf_error_class(error: BaseException):

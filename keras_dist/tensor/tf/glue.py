@@ -1,7 +1,7 @@
 """TensorFlow GPU tensors on the device path: DLPack to cupy and back.
 
 Imported only when a TensorFlow value may take the device path
-(``conversions.device_path``, and the ``tf.py_function`` op ``conversions.run``
+(``device_path.device_path``, and the ``tf.py_function`` op ``conversions.run``
 builds inside a traced step when TensorFlow sees a GPU and cupy is usable),
 and when a TF1 graph gets a collective (``number_gpus_as_sessions``).
 

@@ -1,5 +1,5 @@
 """How a traced TensorFlow step's ``numpy_function`` outputs leave it as one buffer,
-sliced apart in the graph (a ``conversions.Collective``'s ``one_buffer``).
+sliced apart in the graph (a ``collective.Collective``'s ``one_buffer``).
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def indexed_slices(values, indices, dense_shape, divide_by: int | None):
 
 
 # ---------------------------------------------------------------------------
-# Gradients, as ``conversions.GradFn``s: the gradient of a collective is a
+# Gradients, as ``collective.GradFn``s: the gradient of a collective is a
 # collective over the same process set.
 
 
