@@ -11,12 +11,14 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests._mp import REPO_ROOT, TAG_ENV, job_environment, processes_with_env
 from tests._selfstart import free_port, run_self_started, torchrun_variables
+from tests.multiprocess._shared_jobs import suite_output
 
 WORKERS = REPO_ROOT / "tests" / "multiprocess" / "workers"
 SELF = str(WORKERS / "self_started.py")
@@ -34,38 +36,84 @@ def mapped_mpich_segments(result) -> set[str]:
             for name in match.split(",") if name}
 
 
-@pytest.mark.timeout(240)
+# The workers that share one self-started job per size: workers/suites.py
+# runs them one after another (kd.shutdown() in between), so one start of
+# Python, TensorFlow and the rendezvous serves several tests. Each test reads
+# its own worker's output (suite_output): it fails by name, with every rank's
+# output. Each entry: (size, the test that reads it, spec), in the job's order.
+MISMATCH_SCENARIOS = ["shape", "dtype", "op", "order", "root"]
+SHARED_WORKERS = [
+    (2, "test_every_collective_with_torchruns_variables",
+     {"label": "collectives", "path": "workers/collectives.py"}),
+    (2, "test_mismatched_collectives_raise_on_every_rank",
+     {"label": "mismatch", "path": "workers/mismatch.py", "args": MISMATCH_SCENARIOS,
+      "env": {"KERAS_DIST_TIMEOUT_SECONDS": "30"}}),
+    (2, "test_the_mnist_example_with_torchruns_variables",
+     {"label": "mnist", "path": str(REPO_ROOT / "examples" / "mnist" / "train.py"),
+      "args": ["--epochs", "1", "--checkpoint-dir", "{checkpoints}"]}),
+    # First at 3 ranks, so that it counts only its own shared memory.
+    (3, "test_process_sets_with_torchruns_variables",
+     {"label": "process_sets", "path": "workers/process_sets.py", "args": ["static"]}),
+    (3, "test_every_collective_with_torchruns_variables",
+     {"label": "collectives", "path": "workers/collectives.py"}),
+]
+# process_sets.py imports mpi4py.MPI before kd.init(), as under mpiexec: at 3
+# ranks the processes meet first (workers/join_first.py), and each worker's
+# kd.init() finds the job formed; at 2, the collectives' kd.init() forms it.
+SHARED_JOB_START = {2: [], 3: [str(WORKERS / "join_first.py")]}
+#: The hard timeout of a shared job (about the sum of its workers' former
+#: jobs' timeouts), and the pytest timeout of the tests that read one.
+SHARED_JOB_TIMEOUT = 520
+SHARED_TEST_TIMEOUT = SHARED_JOB_TIMEOUT + 40
+
+
+@pytest.fixture(scope="module")
+def self_started_job(request, tmp_path_factory):
+    """``self_started_job(np_)``: the result of the shared self-started job of
+    ``np_`` ranks, run once, with the workers of the tests this session runs."""
+    here = Path(__file__).resolve()
+    wanted = {item.originalname for item in request.session.items
+              if item.path.resolve() == here}
+    checkpoints = str(tmp_path_factory.mktemp("mnist_checkpoints"))
+    results = {}
+
+    def result(np_):
+        if np_ not in results:
+            specs = [json.dumps({**spec, "args": [arg.format(checkpoints=checkpoints)
+                                                  for arg in spec.get("args", [])]})
+                     for size, test, spec in SHARED_WORKERS if size == np_ and test in wanted]
+            results[np_] = run_self_started([sys.executable, *SHARED_JOB_START[np_],
+                                             str(WORKERS / "suites.py"), *specs],
+                                            np=np_, timeout=SHARED_JOB_TIMEOUT, env=QUIET)
+        return results[np_]
+    return result
+
+
+@pytest.mark.timeout(SHARED_TEST_TIMEOUT)
 @pytest.mark.parametrize("np_", [2, 3])
-def test_every_collective_with_torchruns_variables(np_):
-    result = run_self_started(str(WORKERS / "collectives.py"), np=np_, timeout=200, env=QUIET)
-    result.check()
+def test_every_collective_with_torchruns_variables(np_, self_started_job):
+    result = self_started_job(np_)
     for rank in range(np_):
         assert f"COLLECTIVES OK rank={rank} size={np_} transport=shm cross_size=1" in \
-            result.output(rank), result.describe()
+            suite_output(result, "collectives", rank), result.describe()
     assert not result.leftovers, result.describe()
 
 
-@pytest.mark.timeout(240)
-def test_process_sets_with_torchruns_variables():
-    # The worker imports mpi4py.MPI before kd.init(), as under mpiexec: meet first.
-    result = run_self_started([sys.executable, str(WORKERS / "join_first.py"),
-                               str(WORKERS / "process_sets.py"), "static"],
-                              np=3, timeout=200, env=QUIET)
-    result.check()
+@pytest.mark.timeout(SHARED_TEST_TIMEOUT)
+def test_process_sets_with_torchruns_variables(self_started_job):
+    result = self_started_job(3)
     for rank in range(3):
-        assert f"PSETS shutdown passed rank={rank}" in result.output(rank), result.describe()
+        assert f"PSETS shutdown passed rank={rank}" in \
+            suite_output(result, "process_sets", rank), result.describe()
 
 
-@pytest.mark.timeout(180)
-def test_mismatched_collectives_raise_on_every_rank():
-    scenarios = ["shape", "dtype", "op", "order", "root"]
-    result = run_self_started([sys.executable, str(WORKERS / "mismatch.py"), *scenarios],
-                              np=2, timeout=150, env={**QUIET, "KERAS_DIST_TIMEOUT_SECONDS": "30"})
-    result.check()
+@pytest.mark.timeout(SHARED_TEST_TIMEOUT)
+def test_mismatched_collectives_raise_on_every_rank(self_started_job):
+    result = self_started_job(2)
     for rank in range(2):
-        for scenario in scenarios:
-            assert f"MISMATCH rank={rank} scenario={scenario}: " in result.output(rank), \
-                result.describe()
+        output = suite_output(result, "mismatch", rank)
+        for scenario in MISMATCH_SCENARIOS:
+            assert f"MISMATCH rank={rank} scenario={scenario}: " in output, result.describe()
 
 
 def kubeflow_variables(nodes, port):
@@ -206,14 +254,12 @@ def test_mpi_started_before_init_is_named():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(200)
-def test_the_mnist_example_with_torchruns_variables(tmp_path):
-    command = [sys.executable, str(REPO_ROOT / "examples" / "mnist" / "train.py"),
-               "--epochs", "1", "--checkpoint-dir", str(tmp_path)]
-    result = run_self_started(command, np=2, timeout=170, env=QUIET)
-    result.check()
-    assert "weights on every rank: identical" in result.output(0), result.describe()
-    assert "test accuracy: " in result.output(0), result.describe()
+@pytest.mark.timeout(SHARED_TEST_TIMEOUT)
+def test_the_mnist_example_with_torchruns_variables(self_started_job):
+    result = self_started_job(2)
+    output = suite_output(result, "mnist", 0)
+    assert "weights on every rank: identical" in output, result.describe()
+    assert "test accuracy: " in output, result.describe()
     assert not result.leftovers, result.describe()
 
 

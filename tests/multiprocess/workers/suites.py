@@ -5,7 +5,7 @@
     {"label": "join-mpi", "path": "workers/join.py", "args": [],
      "env": {"KERAS_DIST_CPU_OPERATIONS": "mpi"}}
 
-Each worker (``path``, relative to ``tests/multiprocess``) runs as its own
+Each worker (``path``, relative to ``tests/multiprocess``, or absolute) runs as its own
 ``__main__`` with ``sys.argv = [path, *args]`` and ``env`` added to the
 environment for its run only (settings are read by each ``kd.init``), its
 checks printing their markers as when run alone, with keras_dist shut down in
@@ -22,6 +22,7 @@ import json
 import os
 import runpy
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -44,6 +45,7 @@ def run_suite(spec: dict, rank: str) -> bool:
     sys.argv = [spec["path"], *spec.get("args", [])]
     print(f"SUITE {label} begins rank={rank}", flush=True)
     ok = True
+    started = time.process_time(), time.perf_counter()
     try:
         runpy.run_path(str(HERE / spec["path"]), run_name="__main__")
     except SystemExit as stop:  # a worker's failed checks (workers/_checks.py)
@@ -55,6 +57,9 @@ def run_suite(spec: dict, rank: str) -> bool:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+    # What each worker costs, for whoever trims the job (never asserted on).
+    print(f"SUITE {label} took rank={rank}: {time.process_time() - started[0]:.1f} s CPU, "
+          f"{time.perf_counter() - started[1]:.1f} s wall", flush=True)
     print(f"SUITE {label} ends rank={rank}: {'ok' if ok else 'failed'}", flush=True)
     return ok
 
@@ -63,8 +68,9 @@ if __name__ == "__main__":
     if len(sys.argv) < 2:
         raise SystemExit(f"usage: {sys.argv[0]} SPEC [SPEC ...] (JSON objects)")
     specs = [json.loads(arg) for arg in sys.argv[1:]]
-    # kd.rank() is known inside a worker only; the launcher's variable names the rank.
-    rank = os.environ.get("PMI_RANK", "?")
+    # kd.rank() is known inside a worker only; the launcher's variable (or,
+    # in a self-started job, torchrun's) names the rank.
+    rank = os.environ.get("PMI_RANK", os.environ.get("RANK", "?"))
     failed = [spec["label"] for spec in specs if not run_suite(spec, rank)]
     if failed:
         print(f"SUITES FAILED rank={rank}: {', '.join(failed)}", flush=True)
