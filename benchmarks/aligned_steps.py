@@ -39,10 +39,10 @@ def main() -> None:
 
         tf.config.threading.set_intra_op_parallelism_threads(1)
         tf.config.threading.set_inter_op_parallelism_threads(1)
-    from keras_dist.bench.train import _compiled
+    from keras_dist.bench.train import compiled
 
     kd.init()
-    model = _compiled(args.model, keras.optimizers.SGD(0.01))
+    model = compiled(args.model, keras.optimizers.SGD(0.01))
     rng = np.random.default_rng(kd.rank())
     x = rng.standard_normal((32, *model.inputs[0].shape[1:])).astype("float32")
     y = rng.integers(0, 10, 32)

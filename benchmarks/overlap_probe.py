@@ -7,7 +7,7 @@ backward pass. Horovod instead hands each gradient to a background thread as
 soon as it exists, so that the exchange of the last layers' gradients runs
 while the first layers' are still being computed. This probe measures that
 design before anyone builds it natively: a Python thread reduces each bucket
-(``ops._allreduce_arrays``, the engine as shipped) while TensorFlow goes on;
+(``ops.allreduce_arrays``, the engine as shipped) while TensorFlow goes on;
 one host call per bucket starts it (its gradients in the backward pass's
 order, last layer first: ``tf.numpy_function`` ops run in the order they were
 made) and one per bucket waits for it, after every start. The thread gets the
@@ -53,7 +53,7 @@ class _Reducer:
         while True:
             handle, arrays = self._jobs.get()
             try:
-                result = ops._allreduce_arrays(arrays, Average, 1.0, 1.0, f"bucket {handle}")
+                result = ops.allreduce_arrays(arrays, Average, 1.0, 1.0, f"bucket {handle}")
             except BaseException as error:  # noqa: BLE001  (raised by finish)
                 result = error
             with self._ready:
@@ -115,11 +115,11 @@ def main() -> int:
     rank, size = kd.rank(), kd.size()
     x, y = _blocks.batch(args.model, args.batch_size, rank)
     reducer = _Reducer()
-    models = {"plain": train._compiled(args.model, keras.optimizers.SGD(0.01)),
-              "one call": train._compiled(args.model,
+    models = {"plain": train.compiled(args.model, keras.optimizers.SGD(0.01)),
+              "one call": train.compiled(args.model,
                                           kd.DistributedOptimizer(keras.optimizers.SGD(0.01))),
-              "overlap 1": train._compiled(args.model, _overlapping_sgd(1, reducer)),
-              "overlap 3": train._compiled(args.model, _overlapping_sgd(3, reducer))}
+              "overlap 1": train.compiled(args.model, _overlapping_sgd(1, reducer)),
+              "overlap 3": train.compiled(args.model, _overlapping_sgd(3, reducer))}
     kinds = list(models)
     medians = _blocks.median_steps(models, kinds, x, y, args.steps, args.reps)
     everyone, wrong = _blocks.gather_checked(medians, [models[k] for k in kinds[1:]])

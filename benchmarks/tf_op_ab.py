@@ -41,7 +41,7 @@ def main() -> None:
 
     import keras_dist as kd
     from keras_dist._runtime import timeline
-    from keras_dist.bench.train import _compiled, build_model
+    from keras_dist.bench.train import build_model, compiled
 
     kd.init()
     rank = kd.rank()
@@ -54,12 +54,12 @@ def main() -> None:
     models = {}
     for kind, setting in (("numpy_function", "0"), ("keras_dist op", "1")):
         os.environ["KERAS_DIST_TF_OP"] = setting  # read when the step is traced
-        models[kind] = _compiled(args.model, kd.DistributedOptimizer(keras.optimizers.SGD(0.01)),
+        models[kind] = compiled(args.model, kd.DistributedOptimizer(keras.optimizers.SGD(0.01)),
                                  32)
         for _ in range(5):
             models[kind].train_on_batch(x, y)
     os.environ.pop("KERAS_DIST_TF_OP")
-    models["plain"] = _compiled(args.model, keras.optimizers.SGD(0.01), 32)
+    models["plain"] = compiled(args.model, keras.optimizers.SGD(0.01), 32)
     for _ in range(5):
         models["plain"].train_on_batch(x, y)
 

@@ -14,6 +14,7 @@ from collections.abc import Collection, Sequence
 
 from keras_dist import _vocab
 from keras_dist._runtime import context, timeline
+from keras_dist.tensor import checks
 from keras_dist.tensor import ops as kd_ops
 from keras_dist.tensor.compression import Compression
 
@@ -144,7 +145,7 @@ class GradientReduction:
     scale_local_gradients: bool = True
 
     def __post_init__(self) -> None:
-        kd_ops._check_op(self.op)
+        checks.check_op(self.op)  # as the collectives check it
         if self.compression not in (Compression.none, Compression.fp16):
             raise ValueError(
                 "`compression` must be keras_dist.Compression.none or "

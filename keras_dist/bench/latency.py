@@ -41,6 +41,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from keras_dist._runtime import context
 from keras_dist.bench.collectives import arguments, measure, sizes, table
 
 COLUMNS = ("collective", "bytes", "keras_dist", "engine", "mpi4py", "kd/mpi", "engine/mpi",
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     rank, nranks = comm.Get_rank(), comm.Get_size()
-    transport = kd._get().transport
+    transport = context.get().transport
     itemsize = np.dtype(args.dtype).itemsize
 
     def say(line: str = "") -> None:

@@ -168,7 +168,7 @@ def build_model(name: str, image_size: int = 32):
     return keras.Model(inputs, outputs, name=name.replace("-", "_"))
 
 
-def _compiled(name: str, optimizer, image_size: int = 32):
+def compiled(name: str, optimizer, image_size: int = 32):
     import keras
 
     model = build_model(name, image_size)
@@ -327,16 +327,16 @@ def run(args: argparse.Namespace) -> int:
                else kd.Compression.none,
                "gradient_predivide_factor": args.gradient_predivide_factor}
     models = {
-        "single": (_compiled(args.model, keras.optimizers.SGD(0.01), args.image_size)
+        "single": (compiled(args.model, keras.optimizers.SGD(0.01), args.image_size)
                    if rank == 0 else None),
-        "kd1": (_compiled(args.model, kd.DistributedOptimizer(
+        "kd1": (compiled(args.model, kd.DistributedOptimizer(
             keras.optimizers.SGD(0.01), process_set=solo, **options),
             args.image_size) if rank == 0 else None),
     }
     if size > 1:
-        models["independent"] = _compiled(args.model, keras.optimizers.SGD(0.01),
+        models["independent"] = compiled(args.model, keras.optimizers.SGD(0.01),
                                           args.image_size)
-        models["kd"] = _compiled(args.model, kd.DistributedOptimizer(
+        models["kd"] = compiled(args.model, kd.DistributedOptimizer(
             keras.optimizers.SGD(0.01), **options), args.image_size)
     kinds = [k for k in ("single", "kd1", "independent", "kd") if k in models]
     affinity = sorted(os.sched_getaffinity(0))

@@ -111,7 +111,7 @@ def allreduce_arrays(arrays: list[np.ndarray], op: _vocab.ReduceOp, prescale: fl
                      *, gather: Gather) -> list[np.ndarray]:
     """The Adasum allreduce of numpy arrays: one gather and combination per array.
 
-    Takes the arguments of ``keras_dist.tensor.ops._allreduce_arrays`` (``op``
+    Takes the arguments of ``keras_dist.tensor.ops.allreduce_arrays`` (``op``
     is ``Adasum``; ``labels`` is unused) plus ``gather``, the allgather to use.
 
     Returns:

@@ -42,7 +42,7 @@ from keras_dist.tensor.conversions import run
 from keras_dist.tensor.counters import COUNTERS
 from keras_dist.tensor.gather_records import MAX_NDIM as _MAX_GATHER_NDIM
 from keras_dist.tensor.kinds import dtype_of, unwrap
-from keras_dist.tensor.ops import _allreduce_arrays, allgather, allreduce
+from keras_dist.tensor.ops import allgather, allreduce, allreduce_arrays
 from keras_dist.tensor.tf import ops as tf_ops
 from keras_dist.tensor.tf.errors import raising_tf_errors
 
@@ -378,7 +378,7 @@ def _reducescatter_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: floa
                 "`reducescatter` needs values with at least one dimension (rows to "
                 f"scatter). Received: shape=() at position {index}"
             )
-    reduced = _allreduce_arrays(arrays, op, prescale, postscale, name, group)
+    reduced = allreduce_arrays(arrays, op, prescale, postscale, name, group)
     mine = []
     for result in reduced:
         begin, end = own_rows(result.shape[0], group.size, group.rank)

@@ -83,7 +83,7 @@ def _allreduce_numpy(x: np.ndarray, op: ReduceOp, prescale: float, postscale: fl
     return out
 
 
-def _allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
+def allreduce_arrays(arrays: list[np.ndarray], op: ReduceOp, prescale: float,
                       postscale: float, name: str, group=None,
                       labels: list[str] | None = None,
                       results: list[np.ndarray] | None = None) -> list[np.ndarray]:
@@ -204,8 +204,6 @@ def _allgather_array(array: np.ndarray, name: str, group=None) -> np.ndarray:
 
 
 _NO_COMPRESSION = Compression.none
-# The Keras layer's gradient path checks ``op`` as the collectives do.
-_check_op = checks.check_op
 # The one-call paths (``one_call``), looked up once.
 _dispatch_allreduce = one_call.dispatch_allreduce
 _dispatch_broadcast = one_call.dispatch_broadcast
@@ -346,7 +344,7 @@ def _grouped_allreduce_dense(xs: list, op: ReduceOp, name: str | None, prescale:
             f"and other values at {[i for i, g in enumerate(on_gpu) if not g]}"
         )
     checks.check_allreduce_inputs([dtype_of(x) for x in xs])
-    reduce_arrays = _allreduce_arrays
+    reduce_arrays = allreduce_arrays
     plain = op is not _vocab.Adasum  # Adasum reduces otherwise: no native kernel
     if not plain:
         adasum.check_inputs([dtype_of(x) for x in xs], group, on_gpu[0])
@@ -384,7 +382,7 @@ def _in_place(op: ReduceOp, prescale: float, postscale: float, name: str, group,
     """The allreduce as a ``collective.Collective``'s ``in_place``: each result left
     in its array (a copy only where a group of one rank scales)."""
     def run_in_place(arrays: list[np.ndarray]) -> None:
-        results = _allreduce_arrays(arrays, op, prescale, postscale, name, group, labels,
+        results = allreduce_arrays(arrays, op, prescale, postscale, name, group, labels,
                                     arrays)
         for array, result in zip(arrays, results):
             if result is not array:

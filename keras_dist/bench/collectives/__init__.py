@@ -42,6 +42,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from keras_dist._runtime import context
 from keras_dist.bench.collectives.arguments import parse_args
 from keras_dist.bench.collectives.checks import numpy_dtype
 from keras_dist.bench.collectives.measure import Case, init_job, measure_memcpy, time_alternating
@@ -58,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     if args.collective == "broadcast" and args.root >= nranks:
         raise ValueError(f"`--root` must be in [0, size). Received: root={args.root} "
                          f"(size={nranks})")
-    transport = kd._get().transport.name
-    single_copy = kd._get().transport.single_copy_status
+    transport = context.get().transport.name
+    single_copy = context.get().transport.single_copy_status
     vs_mpi = args.vs == "mpi"
 
     def say(line: str = "") -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from keras_dist._runtime import context
 from keras_dist.bench.collectives.checks import (
     count_wrong_allreduce,
     count_wrong_exact,
@@ -86,7 +87,7 @@ class Case:
             # (the native engine, or keras_dist's MPI transport) against MPI itself.
             from keras_dist import _vocab
 
-            transport = kd._get().transport
+            transport = context.get().transport
             code = _vocab.TRANSPORT_OPS[kd_op]
             self.kd_buf, self.mpi_recv = x.copy(), x.copy()
 
