@@ -1,22 +1,28 @@
 """Mismatched collectives, each followed by correct ones: the group stays usable.
 
-Usage: recovery.py. For every scenario, and for every choice of which ranks
+Usage: recovery.py CASE [CASE ...], each CASE "TRANSPORT [RANKS_PER_NODE]": one
+``init`` (``KERAS_DIST_CPU_OPERATIONS=TRANSPORT``, ``KERAS_DIST_RANKS_PER_NODE``)
+and ``shutdown`` per case, each case reported by name
+(tests/multiprocess/workers/_checks.py). For every scenario, and for every choice of which ranks
 call the other variant (the last rank, rank 1, every rank but 0: inside one
 machine or between machines on the hierarchical transport), every rank must
 raise ``CollectiveMismatchError`` with the same message, and then a round of
 collectives (every kind, several dtypes) must give the float64 numpy result
-on every rank. Prints "RECOVERY OK rank=R size=N transport=T scenarios=K".
+on every rank. Prints "RECOVERY OK case=C rank=R size=N transport=T scenarios=K" per case.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
+from mpi4py import MPI
 
 import keras_dist as kd
+from tests.multiprocess.workers._checks import run_checks
 
-kd.init()
-RANK, SIZE = kd.rank(), kd.size()
-TRANSPORT = kd._get().transport.name
+RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
 def data(rank: int, salt: int, count: int, dtype) -> np.ndarray:
@@ -82,19 +88,47 @@ def odd_sets() -> list[frozenset]:
     return list(dict.fromkeys(sets))
 
 
-scenarios = 0
-check_round(0)
-for odd_ranks in odd_sets():
-    for scenario, call in mismatches(RANK in odd_ranks).items():
-        try:
-            call()
-        except kd.CollectiveMismatchError as error:
-            message = str(error)
-        else:
-            raise AssertionError(f"{scenario} (odd ranks {sorted(odd_ranks)}) did not raise")
-        everyone = kd.allgather_object(message)
-        assert all(m == message for m in everyone), (scenario, everyone)
-        check_round(scenarios + 1)
-        scenarios += 1
-print(f"RECOVERY OK rank={RANK} size={SIZE} transport={TRANSPORT} scenarios={scenarios}",
-      flush=True)
+def check_every_scenario(label: str) -> None:
+    """Case ``label`` ("TRANSPORT [RANKS_PER_NODE]"): every scenario, each followed
+    by a round of correct collectives, under its own ``init``."""
+    transport, *ranks_per_node = label.split()
+    os.environ["KERAS_DIST_CPU_OPERATIONS"] = transport
+    if ranks_per_node:
+        os.environ["KERAS_DIST_RANKS_PER_NODE"] = ranks_per_node[0]
+    else:
+        os.environ.pop("KERAS_DIST_RANKS_PER_NODE", None)
+    kd.init()
+    try:
+        assert (kd.rank(), kd.size()) == (RANK, SIZE), (kd.rank(), kd.size())
+        name = kd._get().transport.name
+        scenarios = 0
+        check_round(0)
+        for odd_ranks in odd_sets():
+            for scenario, call in mismatches(RANK in odd_ranks).items():
+                try:
+                    call()
+                except kd.CollectiveMismatchError as error:
+                    message = str(error)
+                else:
+                    raise AssertionError(
+                        f"{scenario} (odd ranks {sorted(odd_ranks)}) did not raise")
+                everyone = kd.allgather_object(message)
+                assert all(m == message for m in everyone), (scenario, everyone)
+                check_round(scenarios + 1)
+                scenarios += 1
+    finally:
+        kd.shutdown()
+    print(f"RECOVERY OK case={label} rank={RANK} size={SIZE} transport={name} "
+          f"scenarios={scenarios}", flush=True)
+
+
+def case_check(label: str):
+    def check_case():
+        check_every_scenario(label)
+
+    check_case.__name__ = label
+    return check_case
+
+
+run_checks([case_check(label) for label in sys.argv[1:]], rank=RANK,
+           agree=MPI.COMM_WORLD.allgather)
