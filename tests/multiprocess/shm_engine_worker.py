@@ -1,11 +1,15 @@
-"""One rank of the shm transport checks; run by test_shm_engine.py under mpiexec.
+"""The shm transport checks, on every rank; run by test_shm_engine.py under mpiexec.
 
-    mpiexec -n N python shm_engine_worker.py MODE [--ranks-per-node K] [--slot-bytes B]
+    mpiexec -n N python shm_engine_worker.py --job JOB CASE [CASE ...]
 
-Every rank builds the comms itself, checks ShmTransport (or, with K > 0, the
-HierarchicalTransport over pretend machines of K ranks) against numpy
-references it computes for all ranks, and prints "OK <mode>" at the end. Any
-exception aborts the whole job.
+Each CASE is one check, a mode and its settings: "MODE [--ranks-per-node K]
+[--slot-bytes B] ...". Every rank builds the comms itself, checks ShmTransport
+(or, with K > 0, the HierarchicalTransport over pretend machines of K ranks)
+against numpy references it computes for all ranks, and reports each case by
+name (tests/multiprocess/workers/_checks.py): "CHECK <case> ok rank=R" then
+"rank R OK <case>". Case i's segments are named for the job "<JOB>_c<i>", so a
+driver can tell which case left one behind. A failed case is reported and the
+next one runs; an exception outside the cases aborts the whole job.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -29,6 +34,7 @@ from keras_dist import errors
 from keras_dist._config import Config
 from keras_dist.transports.hierarchical import HierarchicalTransport
 from keras_dist.transports.shm import ShmTransport
+from tests.multiprocess.workers._checks import run_checks
 
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int32, np.int64, np.uint8]
 OPS = {
@@ -520,26 +526,47 @@ def mode_death(args):
     os._exit(0)
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def case_parser():
+    parser = argparse.ArgumentParser(prog="CASE")
     parser.add_argument("mode")
     parser.add_argument("--ranks-per-node", type=int, default=0)
     parser.add_argument("--slot-bytes", type=int, default=16 << 20)
     parser.add_argument("--repeat", type=int, default=10_000)
-    parser.add_argument("--job", default="")
     parser.add_argument("--single-copy", choices=("auto", "off"), default="auto")
     parser.add_argument("--single-copy-bytes", type=int, default=1 << 20)
     parser.add_argument("--death-count", type=int, default=3)
     parser.add_argument("--expect-single-copy", type=int, choices=(0, 1), default=None)
-    args = parser.parse_args()
-    args.job = world.bcast(args.job or f"t{os.getpid()}", root=0)
-    globals()[f"mode_{args.mode}"](args)
-    print(f"rank {RANK} OK {args.mode}", flush=True)
+    return parser
+
+
+def case_check(case, job):
+    """The check that runs `case` ("MODE --option value ...") on segments of `job`."""
+    args = case_parser().parse_args(shlex.split(case))
+    args.job = job
+    mode = globals()[f"mode_{args.mode}"]
+
+    def check():
+        mode(args)
+
+    check.__name__ = case
+    return check
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job", default="")
+    parser.add_argument("cases", nargs="+", help='each "MODE [--option value ...]"')
+    options = parser.parse_args()
+    job = world.bcast(options.job or f"t{os.getpid()}", root=0)
+    checks = [case_check(case, f"{job}_c{index}") for index, case in enumerate(options.cases)]
+    run_checks(checks, rank=RANK, passed="rank {rank} OK {name}", agree=world.allgather)
 
 
 if __name__ == "__main__":
     try:
         main()
+    except SystemExit:  # run_checks: a case failed, reported by name on every rank
+        raise
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
