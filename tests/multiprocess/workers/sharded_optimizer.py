@@ -14,10 +14,17 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-tf.config.threading.set_intra_op_parallelism_threads(1)
-tf.config.threading.set_inter_op_parallelism_threads(1)
+# Only the backend's own framework is imported (TensorFlow alone costs seconds of CPU).
+if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+elif os.environ["KERAS_BACKEND"] == "torch":
+    import torch
+
+    torch.set_num_threads(1)
 
 import keras  # noqa: E402
 
