@@ -17,17 +17,23 @@ hosts with no shared file system, so the file system itself shows who wrote.
   state as the others and 24 iterations; the result equals A's up to float32
   rounding (the mean gradient over 24 samples summed in another order).
 
-A and B run at once, then the 1- and 3-rank resumes at once: about 40 s on
-an idle 2-core machine.
+B runs first; then A and B's command again one after another in one job of
+2 ranks (``workers/suites.py``: one start of TensorFlow for both, each read
+from its own section of the output; the worker clears Keras's session before
+it builds its model, so its variables have the same names there as alone);
+then the 1- and 3-rank resumes at once.
 """
 
+import json
 import re
 import shutil
+import sys
 
 import numpy as np
 import pytest
 
 from tests._mp import start_job
+from tests.multiprocess._shared_jobs import RUNNER, suite_output
 from tests.multiprocess.test_resume import _assert_same_state
 
 WORKER = "tests/multiprocess/keras_workers/backup.py"
@@ -36,13 +42,23 @@ EPOCHS, STEPS, KILL_EPOCH = 4, 6, 2  # as in the worker and the command below
 JOB_TIMEOUT = 90
 
 
+def _arguments(directory, kind, kill=False):
+    return [str(directory), kind, *(["--kill-epoch", str(KILL_EPOCH)] * kill)]
+
+
 def _command(directory, kind, kill=False):
-    return ["python", WORKER, str(directory), kind, *(["--kill-epoch", str(KILL_EPOCH)] * kill)]
+    return ["python", WORKER, *_arguments(directory, kind, kill)]
 
 
-def _wait_all(jobs):
+def _spec(label, directory, kind, kill=False):
+    """A suites.py section: the worker with ``_command``'s arguments, labelled ``label``."""
+    return json.dumps({"label": label, "path": "keras_workers/backup.py",
+                       "args": _arguments(directory, kind, kill)})
+
+
+def _wait_all(jobs, timeout=JOB_TIMEOUT):
     try:
-        return [job.wait(JOB_TIMEOUT) for job in jobs]
+        return [job.wait(timeout) for job in jobs]
     finally:
         for job in jobs:
             job.kill()
@@ -52,23 +68,28 @@ def _state(npz, prefix):
     return {str(path): npz[f"{prefix}/{i}"] for i, path in enumerate(npz["paths"])}
 
 
-def _start_lines(result, size):
-    """Each rank's (epoch, iterations, digest) when its fit began; the same on all ranks."""
+def _outputs(result, size):
+    return [result.output(rank) for rank in range(size)]
+
+
+def _start_lines(outputs, result):
+    """Each rank's (epoch, iterations, digest) when its fit began; the same on all ranks.
+    ``outputs``: each rank's output (of ``result``)."""
     found = []
-    for rank in range(size):
+    for output in outputs:
         match = re.search(r"fit starts at epoch (\d+), optimizer iterations (\d+), state (\w+)",
-                          result.output(rank))
+                          output)
         assert match, result.describe()
         found.append((int(match[1]), int(match[2]), match[3]))
     assert all(entry == found[0] for entry in found), (found, result.describe())
     return found[0]
 
 
-def _end_digest(result, size):
+def _end_digest(outputs, result):
     digests = set()
-    for rank in range(size):
-        match = re.search(rf"BACKUP WORKER OK rank {rank} size {size}: optimizer iterations "
-                          rf"{EPOCHS * STEPS}, state (\w+)", result.output(rank))
+    for rank, output in enumerate(outputs):
+        match = re.search(rf"BACKUP WORKER OK rank {rank} size {len(outputs)}: optimizer "
+                          rf"iterations {EPOCHS * STEPS}, state (\w+)", output)
         assert match, result.describe()
         digests.add(match[1])
     assert len(digests) == 1, (digests, result.describe())
@@ -77,16 +98,13 @@ def _end_digest(result, size):
 
 @pytest.fixture(scope="module")
 def first_runs(tmp_path_factory):
-    """A and B at once; returns A's result and snapshots, B's directory and a copy of its backup."""
+    """B, then one job: A, then B's command again. Returns A's snapshots and
+    final digest, B's directory, a copy of B's backup, and the second job."""
     root = tmp_path_factory.mktemp("backup")
     full, killed, saved = root / "full", root / "killed", root / "saved"
     full.mkdir()
     killed.mkdir()
-    full_result, killed_result = _wait_all([
-        start_job(_command(full, "kd"), np=2, env=ENV),
-        start_job(_command(killed, "keras", kill=True), np=2, env=ENV),
-    ])
-    full_result.check()
+    killed_result = _wait_all([start_job(_command(killed, "keras", kill=True), np=2, env=ENV)])[0]
     assert not killed_result.timed_out, killed_result.describe()
     assert killed_result.returncode != 0, killed_result.describe()
     assert f"KILLING rank 1 in epoch {KILL_EPOCH}, batch 1" in killed_result.output(1), \
@@ -100,20 +118,25 @@ def first_runs(tmp_path_factory):
         ["latest.weights.h5", "training_metadata.json"]
     assert f'"epoch": {KILL_EPOCH}' in (backup / "training_metadata.json").read_text()
     shutil.copytree(backup, saved)
-    return {"full": np.load(full / "result-np2.npz"), "full_result": full_result,
-            "killed": killed, "saved": saved}
+
+    both = start_job([sys.executable, str(RUNNER), _spec("full", full, "kd"),
+                      _spec("again", killed, "keras", kill=True)], np=2, env=ENV)
+    both = _wait_all([both], 2 * JOB_TIMEOUT)[0]
+    full_outputs = [suite_output(both, "full", rank) for rank in range(2)]
+    return {"full": np.load(full / "result-np2.npz"),
+            "full_digest": _end_digest(full_outputs, both),
+            "both": both, "killed": killed, "saved": saved}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(220)  # includes the fixture's jobs
+@pytest.mark.timeout(340)  # includes the fixture's jobs
 def test_same_command_again_resumes_on_every_rank_bit_for_bit(first_runs):
-    killed = first_runs["killed"]
-    result = _wait_all([start_job(_command(killed, "keras", kill=True), np=2, env=ENV)])[0]
-    result.check()
-    assert "KILLING" not in result.stdout, result.describe()
-    epoch, iterations, _ = _start_lines(result, 2)
+    killed, result = first_runs["killed"], first_runs["both"]
+    outputs = [suite_output(result, "again", rank) for rank in range(2)]
+    assert not any("KILLING" in output for output in outputs), result.describe()
+    epoch, iterations, _ = _start_lines(outputs, result)
     assert (epoch, iterations) == (KILL_EPOCH, KILL_EPOCH * STEPS), result.describe()
-    assert _end_digest(result, 2) == _end_digest(first_runs["full_result"], 2)
+    assert _end_digest(outputs, result) == first_runs["full_digest"]
     resumed, full = np.load(killed / "result-np2.npz"), first_runs["full"]
     _assert_same_state(_state(resumed, "loaded"), _state(full, f"epoch{KILL_EPOCH}"),
                        "restored state")
@@ -140,13 +163,14 @@ def other_sizes(first_runs, tmp_path_factory):
 
 @pytest.mark.parametrize("size", [1, 3])
 @pytest.mark.slow
-@pytest.mark.timeout(220)
+@pytest.mark.timeout(340)
 def test_backup_of_two_ranks_resumes_at_another_size(first_runs, other_sizes, size):
     directory, result = other_sizes[size]
     result.check()
-    epoch, iterations, _ = _start_lines(result, size)
+    epoch, iterations, _ = _start_lines(_outputs(result, size), result)
     assert (epoch, iterations) == (KILL_EPOCH, KILL_EPOCH * STEPS), result.describe()
-    _end_digest(result, size)  # every rank ends with the same state and all iterations
+    # Every rank ends with the same state and all iterations.
+    _end_digest(_outputs(result, size), result)
     resumed, full = np.load(directory / f"result-np{size}.npz"), first_runs["full"]
     _assert_same_state(_state(resumed, "loaded"), _state(full, f"epoch{KILL_EPOCH}"),
                        "restored state")
@@ -159,7 +183,7 @@ def test_backup_of_two_ranks_resumes_at_another_size(first_runs, other_sizes, si
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(220)
+@pytest.mark.timeout(340)
 def test_kdrun_max_restarts_relaunches_a_plain_fit_script(first_runs, tmp_path):
     """The README recipe: one kdrun command; rank 1 dies in epoch 2, kdrun
     relaunches, every rank resumes from rank 0's backup and ends with A's state."""
@@ -171,5 +195,5 @@ def test_kdrun_max_restarts_relaunches_a_plain_fit_script(first_runs, tmp_path):
     assert f"KILLING rank 1 in epoch {KILL_EPOCH}, batch 1" in result.stdout, result.describe()
     assert "rank 1 failed; restarting (restart 1 of 1)" in result.launcher_stderr, (
         result.describe())
-    assert _end_digest(result, 2) == _end_digest(first_runs["full_result"], 2)
+    assert _end_digest(_outputs(result, 2), result) == first_runs["full_digest"]
     assert not list(tmp_path.glob("host*/backup")), "rank 0 deletes the backup at the end"

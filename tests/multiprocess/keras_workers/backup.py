@@ -59,6 +59,9 @@ def make_data():
 
 
 def new_model():
+    # The variables' names (the npz's paths) as in a fresh process, though the
+    # test runs this worker after another in one process (workers/suites.py).
+    keras.backend.clear_session()
     keras.utils.set_random_seed(100 + RANK)  # ranks differ; the broadcasts make them equal
     model = keras.Sequential([
         keras.Input((FEATURES,)),
