@@ -44,6 +44,7 @@ from pathlib import Path
 
 import pytest
 
+from keras_dist._runtime import wire
 from tests._mp import REPO_ROOT
 from tests._selfstart import free_port, start_self_started, torchrun_variables
 from tests.faults.stranger import ALLOWED, CONNECTIONS_HELD, Stranger
@@ -88,7 +89,7 @@ def until_listening(port, deadline):
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
                 sock.settimeout(max(1.0, deadline - time.monotonic()))
-                if sock.makefile("rb").readline().startswith(b"kd_challenge"):
+                if wire.parse_line(sock.makefile("rb").readline()).get("cmd") == "kd_challenge":
                     return
         except (ConnectionRefusedError, ConnectionResetError):
             pass
