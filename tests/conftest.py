@@ -7,8 +7,9 @@ whatever directory pytest was started from.
 The tests of ``SYSTEM_FOLDERS`` carry the ``system`` mark: jobs on emulated
 clusters (Ray, Spark, Slurm, Kubernetes pods, hosts in network namespaces,
 shaped links), strangers attacking a job's ports, elastic relaunches. The
-README's test command leaves them out (``-m "not system"``); CI runs them
-next (``pytest -m system``).
+README's test command leaves them out, with the tests marked ``slow``
+(``-m "not system and not slow"``); CI runs them next
+(``pytest -m "system or slow"``).
 """
 
 import sys
