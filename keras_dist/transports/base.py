@@ -180,3 +180,14 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Releases the transport's resources; safe to call twice."""
         return None
+
+
+def counts_in_bytes(counts: Sequence[int], size: int, itemsize: int) -> list[int]:
+    """``allgatherv``'s ``counts`` (elements per rank) in bytes; raises unless
+    there is one per rank of a group of ``size``."""
+    if len(counts) != size:
+        raise ValueError(
+            f"`counts` must have one entry per rank. Received: {len(counts)} entries "
+            f"(size={size})"
+        )
+    return [int(c) * itemsize for c in counts]

@@ -30,7 +30,7 @@ import numpy as np
 
 from keras_dist import _vocab, errors
 from keras_dist._config import Config
-from keras_dist.transports.base import Transport
+from keras_dist.transports.base import Transport, counts_in_bytes
 from keras_dist.transports.mpi import MpiTransport
 from keras_dist.transports.shm import ShmTransport
 
@@ -140,13 +140,7 @@ class HierarchicalTransport(Transport):
     def allgatherv(
         self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], name: str | None = None
     ) -> None:
-        if len(counts) != self.size:
-            raise ValueError(
-                f"`counts` must have one entry per rank. Received: {len(counts)} entries "
-                f"(size={self.size})"
-            )
-        itemsize = send.dtype.itemsize
-        byte_counts = [int(c) * itemsize for c in counts]
+        byte_counts = counts_in_bytes(counts, self.size, send.dtype.itemsize)
         recv_bytes = recv.view(np.uint8)
         self._settle(
             "allgather", {"counts": tuple(byte_counts), "name": name},

@@ -23,7 +23,7 @@ import numpy as np
 
 from keras_dist import _native, _vocab, errors
 from keras_dist._config import Config
-from keras_dist.transports.base import Transport
+from keras_dist.transports.base import Transport, counts_in_bytes
 from keras_dist.transports.engine_errors import NATIVE_ERRORS, translate
 
 __all__ = ["NATIVE_ERRORS", "ShmTransport", "segment_name", "translate"]
@@ -167,13 +167,7 @@ class ShmTransport(Transport):
     def allgatherv(
         self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], name: str | None = None
     ) -> None:
-        if len(counts) != self.size:
-            raise ValueError(
-                f"`counts` must have one entry per rank. Received: {len(counts)} entries "
-                f"(size={self.size})"
-            )
-        itemsize = send.dtype.itemsize
-        byte_counts = [int(c) * itemsize for c in counts]
+        byte_counts = counts_in_bytes(counts, self.size, send.dtype.itemsize)
         engine = self._open_engine()
         try:
             engine.allgatherv(send.view(np.uint8), recv.view(np.uint8), byte_counts, name)

@@ -1,8 +1,11 @@
-"""The layout checks the shm and hierarchical transports make at construction.
+"""The layout checks the shm and hierarchical transports make at construction,
+and the counts check of their allgatherv.
 
 Both are pure functions of what every rank gathered, so every rank reaches the
 same verdict and raises the same error.
 """
+
+import pytest
 
 from keras_dist.transports.hierarchical import _layout_problem
 from keras_dist.transports.shm import _membership_problem
@@ -52,3 +55,11 @@ def test_missing_ranks_and_split_machines_are_reported():
         [[0, 1], [1]], [(0, "a", 0, 0), (1, "a", 0, 1), (2, "b", 1, 0)])
     problem = _layout_problem([[0, 1]], [(0, "a", 0, 0), (1, "b", 0, 1)])
     assert problem == "machine 0 spans hosts ['a', 'b'] (ranks [0, 1])"
+
+
+def test_allgatherv_counts_are_one_per_rank_and_scaled_to_bytes():
+    from keras_dist.transports.base import counts_in_bytes
+
+    assert counts_in_bytes([3, 0, 5], 3, 8) == [24, 0, 40]
+    with pytest.raises(ValueError, match=r"one entry per rank. Received: 2 entries \(size=3\)"):
+        counts_in_bytes([1, 2], 3, 4)
