@@ -21,34 +21,16 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import keras_dist as kd  # noqa: E402
 from tests.multiprocess.workers._checks import run_checks  # noqa: E402
+from tests.multiprocess.workers._inputs import data, in_graph, scaled  # noqa: E402
 
 kd.init()
 RANK, SIZE = kd.rank(), kd.size()
 DTYPES = [np.uint8, np.int32, np.int64, np.float16, np.float32, np.float64]
 
 
-def data(case, rank, shape, dtype=np.float64, low=-10.0, high=10.0):
-    """Rank ``rank``'s random input for test case ``case`` (never all zeros)."""
-    rng = np.random.default_rng([case, rank])
-    if np.dtype(dtype).kind in "iu":
-        return rng.integers(int(max(low, 0) if np.dtype(dtype).kind == "u" else low),
-                            int(high), shape).astype(dtype)
-    if np.dtype(dtype).kind == "b":
-        return rng.integers(0, 2, shape).astype(bool)
-    return rng.uniform(low, high, shape).astype(dtype)
-
-
 def splits_matrix(case, rows_max=3):
     """matrix[r, k]: rows rank r sends to rank k, the same on every rank."""
     return np.random.default_rng([case, 99]).integers(0, rows_max + 1, (SIZE, SIZE))
-
-
-def in_graph(build):
-    """Builds ``build()`` in a TF1 graph and evaluates it in a session."""
-    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
-        fetches = build()
-        session.run(tf.compat.v1.global_variables_initializer())
-        return session.run(fetches)
 
 
 def same(label, got, want, dtype=None, rtol=0.0):
@@ -189,15 +171,6 @@ def own_rows(rows):
     base, extra = divmod(rows, SIZE)
     begin = RANK * base + min(RANK, extra)
     return begin, begin + base + (RANK < extra)
-
-
-def scaled(values, factor, dtype):
-    """Horovod's scaling: integers in float64 then truncated, halves in float32."""
-    if np.dtype(dtype).kind in "iu":
-        return np.trunc(values.astype(np.float64) * factor).astype(dtype)
-    if np.dtype(dtype) == np.float16:
-        return (values.astype(np.float32) * np.float32(factor)).astype(np.float16)
-    return (values * np.asarray(factor, dtype)).astype(dtype)
 
 
 def reduced(inputs, op, dtype):

@@ -20,27 +20,10 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import keras_dist as kd  # noqa: E402
 from tests.multiprocess.workers._checks import run_checks  # noqa: E402
+from tests.multiprocess.workers._inputs import data, in_graph, scaled  # noqa: E402
 
 kd.init()
 RANK, SIZE = kd.rank(), kd.size()
-
-
-def data(case, rank, shape, dtype=np.float64, low=-10.0, high=10.0):
-    """Rank ``rank``'s random input for test case ``case``."""
-    rng = np.random.default_rng([case, rank])
-    if np.dtype(dtype).kind in "iu":
-        return rng.integers(int(low), int(high), shape).astype(dtype)
-    if np.dtype(dtype).kind == "b":
-        return rng.integers(0, 2, shape).astype(bool)
-    return rng.uniform(low, high, shape).astype(dtype)
-
-
-def in_graph(build):
-    """Builds ``build()`` in a TF1 graph and evaluates it in a session."""
-    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
-        fetches = build()
-        session.run(tf.compat.v1.global_variables_initializer())
-        return session.run(fetches)
 
 
 def close(label, got, want, rtol=1e-6):
@@ -160,15 +143,6 @@ def test_legacy_average_flag():
             assert "not both" in str(caught), caught
         else:
             raise AssertionError("op and average together were accepted")
-
-
-def scaled(values, factor, dtype):
-    """Horovod's scaling: integers in float64 then truncated, halves in float32."""
-    if np.dtype(dtype).kind in "iu":
-        return np.trunc(values.astype(np.float64) * factor).astype(dtype)
-    if np.dtype(dtype) == np.float16:
-        return (values.astype(np.float32) * np.float32(factor)).astype(np.float16)
-    return (values * np.asarray(factor, dtype)).astype(dtype)
 
 
 def test_integer_and_half_scaling():
