@@ -17,3 +17,13 @@ def one_rank_engine():
     yield engine
     engine.leave()
     engine.unlink()
+
+
+@pytest.fixture(scope="module")
+def initialised():
+    """keras_dist initialised (one rank) for a module's tests, shut down after them."""
+    import keras_dist as kd
+
+    kd.init()
+    yield
+    kd.shutdown()

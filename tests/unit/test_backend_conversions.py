@@ -11,11 +11,7 @@ jax = pytest.importorskip("jax", reason="needs jax (the test extra installs it)"
 jnp = jax.numpy
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _initialised():
-    kd.init()
-    yield
-    kd.shutdown()
+pytestmark = pytest.mark.usefixtures("initialised")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.bfloat16])

@@ -6,12 +6,7 @@ import pytest
 import keras_dist as kd
 from keras_dist._keras import backends
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _initialised():
-    kd.init()
-    yield
-    kd.shutdown()
+pytestmark = pytest.mark.usefixtures("initialised")
 
 
 def test_a_keras_distribution_setting_is_refused(monkeypatch):

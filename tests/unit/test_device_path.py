@@ -28,12 +28,7 @@ jnp = jax.numpy
 from keras_dist.tensor import jax_glue, torch_glue  # noqa: E402
 from keras_dist.tensor.tf import glue as tf_glue  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _initialised():
-    kd.init()
-    yield
-    kd.shutdown()
+pytestmark = pytest.mark.usefixtures("initialised")
 
 
 # ---------------------------------------------------------------------------

@@ -9,12 +9,7 @@ import pytest
 import keras_dist as kd
 from keras_dist._runtime import timeline
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _initialised():
-    kd.init()
-    yield
-    kd.shutdown()
+pytestmark = pytest.mark.usefixtures("initialised")
 
 
 class _FakeTransport:
