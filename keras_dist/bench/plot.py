@@ -9,8 +9,8 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise ImportError("--plot needs matplotlib. Install it with `pip install "
-                          "'keras-dist[plot]'` (or `pip install matplotlib`).") from None
+        raise ImportError("--plot needs matplotlib. Install it with `pip install matplotlib` "
+                          "(the extra plot of keras_dist's pyproject.toml).") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and the rest")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="draw the throughputs as bars (needs matplotlib: "
-                        "pip install 'keras-dist[plot]')")
+                        "pip install matplotlib)")
     return parser
 
 

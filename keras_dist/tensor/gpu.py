@@ -76,8 +76,9 @@ def _cupy_or_reason() -> tuple[object | None, str | None]:
     try:
         import cupy
     except ImportError as error:
-        return None, (f"cupy does not import ({error}; pip install 'keras-dist[cuda12]' or "
-                      "'keras-dist[cuda13]')")
+        return None, (f"cupy does not import ({error}; pip install cupy-cuda12x "
+                      "nvidia-nccl-cu12, or the cuda13 pair: the extras cuda12 and cuda13 "
+                      "of keras_dist's pyproject.toml)")
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as error:  # noqa: BLE001 - cupy raises its own CUDA errors

@@ -49,8 +49,9 @@ def unavailable_reason() -> str | None:
         import cupy
         from cupy.cuda import nccl
     except ImportError as error:
-        return ("the NCCL transport needs cupy with NCCL (pip install 'keras-dist[cuda12]' "
-                f"or 'keras-dist[cuda13]'). Received: ImportError: {error}")
+        return ("the NCCL transport needs cupy with NCCL (pip install cupy-cuda12x "
+                "nvidia-nccl-cu12, or the cuda13 pair: the extras cuda12 and cuda13 of "
+                f"keras_dist's pyproject.toml). Received: ImportError: {error}")
     if not getattr(nccl, "available", True):
         return (f"cupy {cupy.__version__} found no NCCL library (pip install "
                 "nvidia-nccl-cu12 or nvidia-nccl-cu13, the one matching cupy's CUDA)")

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 ray = pytest.importorskip(
-    "ray", reason="Ray is not installed (pip install 'keras-dist[ray]'): keras_dist.ray "
+    "ray", reason="Ray is not installed (pip install ray): keras_dist.ray "
                   "has nothing to run on")
 
 from keras_dist.errors import KerasDistError, PeerFailureError  # noqa: E402

@@ -53,7 +53,7 @@ SPARK_RANK_ENV = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1",
 
 def _spark_missing() -> str | None:
     if pyspark is None:
-        return "PySpark is not installed (pip install keras-dist[spark])"
+        return "PySpark is not installed (pip install pyspark)"
     if shutil.which("java") is None:
         return "Spark needs Java, and there is no java on PATH"
     return None

@@ -19,7 +19,8 @@ from keras_dist._config import Config
 from keras_dist.tensor import device_path, gpu, ops
 from keras_dist.tensor.compression import Compression
 
-cupy = pytest.importorskip("cupy", reason="needs cupy (pip install 'keras-dist[cuda12]')")
+cupy = pytest.importorskip("cupy",
+                           reason="needs cupy (pip install cupy-cuda12x nvidia-nccl-cu12)")
 
 
 def _gpu_count() -> int:

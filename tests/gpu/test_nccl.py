@@ -5,7 +5,8 @@ import pytest
 
 from tests._mp import run_job
 
-cupy = pytest.importorskip("cupy", reason="needs cupy (pip install 'keras-dist[cuda12]')")
+cupy = pytest.importorskip("cupy",
+                           reason="needs cupy (pip install cupy-cuda12x nvidia-nccl-cu12)")
 
 
 def _gpu_count() -> int:

@@ -104,3 +104,24 @@ def test_install_lines_install_from_the_clone(path):
     assert not lines, (
         f"{path.relative_to(ROOT)} installs keras-dist from a package index, where it is not "
         f'published: install the clone with pip install ".[extras]". Received: {lines}')
+
+
+# A message or help text telling a user to install keras-dist with extras from an index
+# (the pip install may be on the line before, in a string cut in two).
+_EXTRA_FROM_INDEX = re.compile(r"pip3? install[^\n]*?\bkeras[-_]dist\[|[\"'`]keras-dist\[")
+
+
+def _python_sources():
+    return [path for folder in ("keras_dist", "tests", "benchmarks", "examples")
+            for path in sorted((ROOT / folder).rglob("*.py"))]
+
+
+def test_messages_and_help_name_installs_that_work():
+    lines = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for path in _python_sources() if path != pathlib.Path(__file__).resolve()
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if _EXTRA_FROM_INDEX.search(line)]
+    assert not lines, (
+        "an error message or help text installs keras-dist from a package index, where it is "
+        'not published: name the clone\'s extra (pip install ".[extra]" from a clone) or the '
+        f"packages themselves. Received: {lines}")

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "instead of the out-of-place public kd.allreduce")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="draw bus bandwidth against size (needs matplotlib: "
-                        "pip install 'keras-dist[plot]')")
+                        "pip install matplotlib)")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                         help="check results against a float64 reference (default: on)")
     return parser
