@@ -18,19 +18,9 @@ from keras_dist import _vocab, transports
 from keras_dist._config import Config
 from keras_dist.tensor import device_path, gpu, ops
 from keras_dist.tensor.compression import Compression
+from tests.gpu._gpu import cupy_with_a_gpu
 
-cupy = pytest.importorskip("cupy",
-                           reason="needs cupy (pip install cupy-cuda12x nvidia-nccl-cu12)")
-
-
-def _gpu_count() -> int:
-    try:
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001 - a CUDA driver error means no usable GPU
-        return 0
-
-
-pytestmark = pytest.mark.skipif(_gpu_count() == 0, reason="needs a CUDA GPU; none is visible")
+cupy = cupy_with_a_gpu()
 
 
 def _torch_cuda():

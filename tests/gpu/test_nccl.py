@@ -4,19 +4,9 @@
 import pytest
 
 from tests._mp import run_job
+from tests.gpu._gpu import cupy_with_a_gpu, gpu_count
 
-cupy = pytest.importorskip("cupy",
-                           reason="needs cupy (pip install cupy-cuda12x nvidia-nccl-cu12)")
-
-
-def _gpu_count() -> int:
-    try:
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001 - a CUDA driver error means no usable GPU
-        return 0
-
-
-pytestmark = pytest.mark.skipif(_gpu_count() == 0, reason="needs a CUDA GPU; none is visible")
+cupy = cupy_with_a_gpu()
 
 WORKER = r"""
 import os, numpy as np, cupy
@@ -51,8 +41,8 @@ print("GPU ALLREDUCE OK", r, flush=True)
     ("mpi", 2, 1, "host-staged"),  # host staging lets ranks share a GPU
 ])
 def test_gpu_allreduce_matches_numpy(operations, np_, gpus_needed, expected):
-    if _gpu_count() < gpus_needed:
-        pytest.skip(f"needs {gpus_needed} GPUs; {_gpu_count()} visible")
+    if gpu_count(cupy) < gpus_needed:
+        pytest.skip(f"needs {gpus_needed} GPUs; {gpu_count(cupy)} visible")
     result = run_job(["python", "-c", WORKER], np=np_, timeout=150,
                      env={"KERAS_DIST_GPU_OPERATIONS": operations,
                           "KERAS_DIST_SIZE_ONE_SHORTCUT": "0",
