@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests._mp import run_job, start_job
+from tests.faults.bridge import BridgedNamespaces
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "multihost_worker.py")
@@ -33,37 +34,20 @@ pytestmark = [
 ]
 
 
-def _ip(*args):
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture(scope="module")
 def hosts():
     """Two "hosts" of 2 slots each; yields (kdrun -H value, env for run_job, netns names)."""
     tag = secrets.token_hex(2)
     subnet = f"10.{200 + int(tag[0], 16)}.{int(tag[1:], 16) % 250}"
     bridge, namespaces = f"kdbr{tag}", [f"kdns{tag}a", f"kdns{tag}b"]
-    created = []
+    network = BridgedNamespaces(bridge, subnet, namespaces, f"kdv{tag}")
     try:
-        _ip("link", "add", bridge, "type", "bridge")
-        created.append(("link", "del", bridge))
-        _ip("addr", "add", f"{subnet}.1/24", "dev", bridge)
-        _ip("link", "set", bridge, "up")
-        entries = []
-        for index, namespace in enumerate(namespaces):
-            address, veth = f"{subnet}.{index + 2}", f"kdv{tag}{index}"
-            _ip("netns", "add", namespace)
-            created.append(("netns", "del", namespace))
-            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", namespace)
-            _ip("link", "set", veth, "master", bridge, "up")
-            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
-            _ip("-n", namespace, "link", "set", "eth0", "up")
-            _ip("-n", namespace, "link", "set", "lo", "up")
-            entries.append((address, namespace, f"kdhost{tag}{'ab'[index]}"))
+        network.build()
     except (subprocess.CalledProcessError, OSError) as error:
-        for command in reversed(created):
-            subprocess.run(["ip", *command], capture_output=True, timeout=30)
         pytest.skip(f"cannot build network namespaces here: {error}")
+    entries = [(address, namespace, f"kdhost{tag}{'ab'[index]}")
+               for index, (address, namespace)
+               in enumerate(zip(network.addresses, namespaces))]
     env = {
         "HYDRA_LAUNCHER": "ssh",
         "HYDRA_LAUNCHER_EXEC": LAUNCHER,
@@ -77,8 +61,7 @@ def hosts():
     try:
         yield ",".join(f"{address}:2" for address, _, _ in entries), env, namespaces, entries
     finally:
-        for command in reversed(created):
-            subprocess.run(["ip", *command], capture_output=True, timeout=30)
+        network.remove()
 
 
 def _reports(result, np_):

@@ -30,6 +30,7 @@ import pytest
 
 from keras_dist.launcher.cleanup import find_job_processes, kill_processes_with_env
 from tests._mp import REPO_ROOT, TAG_ENV
+from tests.faults.bridge import BridgedNamespaces
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "slurm_worker.py")
@@ -162,31 +163,10 @@ def cluster():
     os.chmod(root, 0o755)
     for sub in ("state", "log", *(f"spool-{name}" for name in names)):
         os.makedirs(os.path.join(root, sub))
-    created: list[tuple[str, ...]] = []
-
-    def ip(*args):
-        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-    def remove_network():
-        for command in reversed(created):
-            subprocess.run(["ip", *command], capture_output=True, timeout=30)
-
+    network = BridgedNamespaces(bridge, subnet, namespaces, f"kdsv{tag}")
     try:
-        ip("link", "add", bridge, "type", "bridge")
-        created.append(("link", "del", bridge))
-        ip("addr", "add", f"{subnet}.1/24", "dev", bridge)
-        ip("link", "set", bridge, "up")
-        for index, namespace in enumerate(namespaces):
-            veth = f"kdsv{tag}{index}"
-            ip("netns", "add", namespace)
-            created.append(("netns", "del", namespace))
-            ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", namespace)
-            ip("link", "set", veth, "master", bridge, "up")
-            ip("-n", namespace, "addr", "add", f"{subnet}.{index + 2}/24", "dev", "eth0")
-            ip("-n", namespace, "link", "set", "eth0", "up")
-            ip("-n", namespace, "link", "set", "lo", "up")
+        network.build()
     except (subprocess.CalledProcessError, OSError) as error:
-        remove_network()
         shutil.rmtree(root, ignore_errors=True)
         pytest.skip(f"cannot build network namespaces here: {error}")
 
@@ -261,7 +241,7 @@ PartitionName=test Nodes={",".join(names)} Default=YES MaxTime=INFINITE State=UP
         yield running
     finally:
         left = _stop(running)
-        remove_network()
+        network.remove()
         shutil.rmtree(root, ignore_errors=True)
     assert not left, f"processes of the Slurm cluster outlived it: {left}"
 
