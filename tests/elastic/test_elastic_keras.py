@@ -3,13 +3,13 @@ Horovod-style script (``hvd.elastic.run``, ``KerasState``, the three
 callbacks, a reset callback rescaling the learning rate) fed by
 ``ElasticData`` (96 samples, local batch 8, shuffled per epoch, 3 epochs).
 
-- A reference run, uninterrupted, at 2 ranks.
-- The same job with a rank SIGKILLed in launch 0 and another in launch 1
-  (before a batch, while the peer waits in the gradient allreduce, then
-  between epochs; inside a commit, then at a random time): kdrun relaunches
-  twice at 2 ranks and the job ends with the reference's weights and
+- A reference run, uninterrupted, at 2 ranks (5 epochs).
+- The same job killed four times in a row, one rank in each of launches 0
+  to 3 (inside a commit, at a random time, before a batch while the peer
+  waits in the gradient allreduce, between epochs): kdrun relaunches four
+  times at 2 ranks and the job ends with the reference's weights and
   optimizer state, bit for bit, on every rank (same size, same data order,
-  same reduction order). Likewise on JAX.
+  same reduction order). Likewise on JAX (3 epochs, one kill).
 - A resize 3 -> 2 -> 3 driven by the host discovery script: every launch ends
   gracefully at a commit; the learning rate follows the size; the final
   loss is close to an uninterrupted 3-rank run's (not equal: two epochs
@@ -17,8 +17,10 @@ callbacks, a reset callback rescaling the learning rate) fed by
 
 In every job: each epoch's committed batches hold every sample exactly
 once (across ranks and launches: the batches after the commit a launch was
-resumed from are dropped, they were trained again), the counters end at
-epoch 3, batch 0, and nothing is left in /dev/shm.
+resumed from are dropped, they were trained again), the counters end at the
+last epoch, batch 0, and nothing is left in /dev/shm. Each launch's
+processes import a framework (most of these tests' time): the four kills are
+one job of five launches, its reference run beside it.
 """
 
 import glob
@@ -34,6 +36,10 @@ from tests._mp import run_job, start_job
 
 WORKER = "tests/elastic/keras_worker.py"
 EPOCHS, SAMPLES = 3, 96
+#: Epochs of the job killed four times: room for its kill points in order
+#: (6 batches an epoch at 2 ranks; a kill at a random time may pass up to
+#: 10 batches first).
+KILLED_EPOCHS = 5
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", "KERAS_BACKEND": "tensorflow"}
 TIMEOUT = 150
 
@@ -52,7 +58,7 @@ def _traces(out):
     return found
 
 
-def _check_coverage(out, result):
+def _check_coverage(out, result, epochs=EPOCHS):
     """Each epoch's committed batches hold every sample exactly once."""
     traces = _traces(out)
     launches = sorted(traces)
@@ -66,7 +72,7 @@ def _check_coverage(out, result):
             for record in records[1:]:
                 if bound is None or record["commit"] <= bound:
                     per_epoch.setdefault(record["epoch"], []).extend(record["ids"])
-    assert sorted(per_epoch) == list(range(EPOCHS)), result.describe()
+    assert sorted(per_epoch) == list(range(epochs)), result.describe()
     for epoch, ids in per_epoch.items():
         assert sorted(ids) == list(range(SAMPLES)), (
             f"epoch {epoch}: samples trained on {len(ids)} times, {len(set(ids))} distinct\n"
@@ -74,11 +80,11 @@ def _check_coverage(out, result):
     return traces
 
 
-def _final(out, launch, size):
+def _final(out, launch, size, epochs=EPOCHS):
     finals = [np.load(os.path.join(out, f"launch{launch}.rank{r}.npz")) for r in range(size)]
     infos = [json.loads(str(f["info"])) for f in finals]
     for info in infos:
-        assert info["end"] == [EPOCHS, 0], infos
+        assert info["end"] == [epochs, 0], infos
     for other in finals[1:]:
         np.testing.assert_array_equal(other["weights"], finals[0]["weights"])
     return finals[0]["weights"], infos
@@ -94,43 +100,41 @@ def _no_state_left(tmp_path):
     assert not left, left
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    result = run_job(["python", WORKER, str(out), str(EPOCHS)], np=2, timeout=TIMEOUT, env=ENV,
-                     kdrun_args=["--max-restarts", "0"])
-    result.check()
-    _check_coverage(str(out), result)
-    weights, infos = _final(str(out), 0, 2)
-    return weights
-
-
-@pytest.mark.parametrize("kills", [
-    ("batch:1:1:2", "epoch:0:1"),
-    ("commit:0:5", "timer"),
-], ids=["before-batch-then-between-epochs", "in-commit-then-at-random-time"])
-def test_relaunch_at_same_size_is_exact(reference, tmp_path, kills):
-    """Two failures in a row: the first launch loses a rank, then the second."""
-    extra = {}
-    plan = []
-    for kill in kills:
-        if kill == "timer":
-            # Any point of training (a collective, a commit, the model's own
-            # work): each step takes at least 0.1 s, killed within the first 1 s.
-            kill = f"timer:{random.randrange(2)}:{round(random.uniform(0.2, 1.0), 3)}"
-            extra = {"KD_BATCH_SLEEP": "0.1"}
-        plan.append(kill)
-    result = run_job(["python", WORKER, str(tmp_path), str(EPOCHS)], np=2, timeout=TIMEOUT,
-                     env=_env(tmp_path, KD_KILL=";".join(plan), **extra),
-                     kdrun_args=["--max-restarts", "2"])
+@pytest.mark.timeout(2 * TIMEOUT + 30)
+def test_relaunch_at_same_size_is_exact(tmp_path):
+    """Four failures in a row, one rank lost in each launch, and beside it the
+    uninterrupted reference run at the same size."""
+    # Launch 0 dies in its 5th commit (at epoch 0, batch 4); launch 1 at a
+    # random point (each step takes at least 0.1 s, killed within its first
+    # 1 s: before epoch 2, batch 3); launch 2 before epoch 3's batch 2, while
+    # the peer waits in the gradient allreduce; launch 3 between epochs 3 and 4.
+    plan = ["commit:0:5", f"timer:{random.randrange(2)}:{round(random.uniform(0.2, 1.0), 3)}",
+            "batch:1:3:2", "epoch:0:3"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    full.mkdir()
+    killed.mkdir()
+    jobs = [start_job(["python", WORKER, str(full), str(KILLED_EPOCHS)], np=2, env=ENV,
+                      kdrun_args=["--max-restarts", "0"]),
+            start_job(["python", WORKER, str(killed), str(KILLED_EPOCHS)], np=2,
+                      env=_env(tmp_path, KD_KILL=";".join(plan), KD_BATCH_SLEEP="0.1"),
+                      kdrun_args=["--max-restarts", "4"])]
+    try:
+        deadline = time.monotonic() + 2 * TIMEOUT
+        reference, result = [job.wait(max(1.0, deadline - time.monotonic())) for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+    reference.check()
+    _check_coverage(str(full), reference, KILLED_EPOCHS)
+    expected, _ = _final(str(full), 0, 2, KILLED_EPOCHS)
     message = f"kill points {plan}\n{result.describe()}"
     assert result.returncode == 0 and not result.leftovers, message
-    assert "restart 2 of 2" in result.launcher_stderr, message
-    assert result.launcher_stderr.count("training again") == 2, message
-    traces = _check_coverage(str(tmp_path), result)
-    assert sorted(traces) == [0, 1, 2], message
-    weights, infos = _final(str(tmp_path), 2, 2)
-    np.testing.assert_array_equal(weights, reference)
+    assert "restart 4 of 4" in result.launcher_stderr, message
+    assert result.launcher_stderr.count("training again") == 4, message
+    traces = _check_coverage(str(killed), result, KILLED_EPOCHS)
+    assert sorted(traces) == [0, 1, 2, 3, 4], message
+    weights, infos = _final(str(killed), 4, 2, KILLED_EPOCHS)
+    np.testing.assert_array_equal(weights, expected, err_msg=message)
     for info in infos:
         assert info["resets"] == 1 and set(info["lr"]) == {np.float32(0.04)}, info
     _no_state_left(tmp_path)
