@@ -88,6 +88,7 @@ _LAZY = {
     "PartialDistributedGradientTape": (
         "keras_dist._keras.gradient_tape", "PartialDistributedGradientTape"),
     "load_model": ("keras_dist._keras.saving", "load_model"),
+    "save_model": ("keras_dist._keras.saving", "save_model"),
     "shard": ("keras_dist.data", "shard"),
     "SyncBatchNormalization": ("keras_dist._keras.sync_batch_norm", "SyncBatchNormalization"),
     "callbacks": ("keras_dist.callbacks", None),
@@ -165,5 +166,6 @@ __all__ = [
     "join", "load_model", "local_rank", "local_rank_op", "local_size", "local_size_op",
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
     "process_set_included_op", "rank", "rank_op", "reducescatter", "remove_process_set",
-    "rocm_built", "shard", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
+    "rocm_built", "save_model", "shard", "shutdown", "size", "size_op", "start_timeline",
+    "stop_timeline",
 ]

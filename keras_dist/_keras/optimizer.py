@@ -9,7 +9,7 @@ from keras import ops
 
 from keras_dist import _compat as compat
 from keras_dist import _vocab
-from keras_dist._keras import backends, zero
+from keras_dist._keras import backends, zero, zero_saving
 from keras_dist._keras.callbacks import backup_and_restore  # noqa: F401  (see its docstring)
 from keras_dist._keras.gradients import (
     GradientReduction,
@@ -66,6 +66,7 @@ class _LocalState:
         self.layers: list = []  # local layers, their weights read at each step
         self.pending: tuple | None = None  # gradients `compute_gradients` reduced
         self.shards: zero.Shards | None = None  # this rank's share (shard_optimizer_state)
+        self.layout: zero_saving.Layout | None = None  # its place in a file (zero_saving)
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -278,6 +279,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         if self.shard_optimizer_state:
             group = context.get()
             self._local.shards = zero.Shards(self, list(var_list), group.rank, group.size)
+            zero_saving.install(self)
         else:
             self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
@@ -292,6 +294,23 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         proxies = {id(target) for _, _, target in shards.own}
         return ([v for v in self._variables if id(v) not in proxies]
                 + list(shards.replicated_inner))
+
+    def save_own_variables(self, store):
+        """Keras's save of the optimizer's variables; sharding, the whole state in the
+        unsharded layout, gathered from every rank (``kd.save_model``; see
+        ``zero_saving``): a save on one rank alone raises at once."""
+        if self._local.shards is None:
+            super().save_own_variables(store)
+        else:
+            zero_saving.save_part(self, "wrapper", store)
+
+    def load_own_variables(self, store):
+        """Keras's load of the optimizer's variables; sharding, this rank's share of a
+        file in the unsharded layout (written by any number of ranks)."""
+        if self._local.shards is None:
+            super().load_own_variables(store)
+        else:
+            zero_saving.load_part(self, "wrapper", store)
 
     def finalize_variable_values(self, var_list):
         shards = self._local.shards

@@ -11,12 +11,13 @@ exactly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import keras
 
 from keras_dist import _compat as compat
-from keras_dist._keras import zero
+from keras_dist._keras import zero, zero_saving
 from keras_dist._runtime import context
 from keras_dist.errors import KerasDistError
 from keras_dist.tensor import ops as kd_ops
@@ -63,6 +64,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     waited for; ``double_checkpoint=True`` keeps the previous backup for a
     write cut short.
 
+    With ``DistributedOptimizer(shard_optimizer_state=True)``, every rank takes
+    part in rank 0's write (each rank's share of the optimizer state is
+    gathered into the backup, whole) and read (each rank receives its share
+    of the backup, at any number of ranks); with ``save_freq`` a number of
+    batches, every rank then waits at each batch's end while rank 0 decides.
+
     A plain ``keras.callbacks.BackupAndRestore`` behaves the same way once
     keras_dist's Keras layer is loaded; this class names it explicitly.
 
@@ -89,16 +96,21 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             return
         rank_zero = context.get().rank == 0
         failure = restored = None
-        if rank_zero:
-            try:
-                _KERAS_HOOKS["on_train_begin"](self, logs)
-            except Exception as error:  # raised below, once every rank knows of it
-                failure = error
-                restored = _Restored(False, None, f"{type(error).__name__}: {error}")
-            else:
-                restored = _Restored(
-                    weights=compat.file_exists(compat.backup_weights_path(self)),
-                    initial_epoch=compat.initial_epoch(self.model))
+        sharding = zero_saving.sharding(self.model)
+        for optimizer in sharding:  # built, as rank 0's restore builds it, to take its share
+            if not optimizer.built:
+                optimizer.build(self.model.trainable_variables)
+        with _rank_zero_io(sharding):
+            if rank_zero:
+                try:
+                    _KERAS_HOOKS["on_train_begin"](self, logs)
+                except Exception as error:  # raised below, once every rank knows of it
+                    failure = error
+                    restored = _Restored(False, None, f"{type(error).__name__}: {error}")
+                else:
+                    restored = _Restored(
+                        weights=compat.file_exists(compat.backup_weights_path(self)),
+                        initial_epoch=compat.initial_epoch(self.model))
         restored = kd_ops.broadcast_object(restored, root_rank=0)
         if failure is not None:
             raise failure
@@ -121,15 +133,21 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if not _distributed():
             _KERAS_HOOKS["on_epoch_end"](self, epoch, logs)
             return
-        if context.get().rank == 0:
-            _KERAS_HOOKS["on_epoch_end"](self, epoch, logs)
+        with _rank_zero_io(zero_saving.sharding(self.model)):
+            if context.get().rank == 0:
+                _KERAS_HOOKS["on_epoch_end"](self, epoch, logs)
         if self.save_freq == "epoch":
             # No rank runs ahead (and fails, ending the job) while rank 0 writes.
             kd_ops.barrier()
 
     def on_train_batch_end(self, batch, logs=None):
-        if not _distributed() or context.get().rank == 0:
+        if not _distributed():
             _KERAS_HOOKS["on_train_batch_end"](self, batch, logs)
+            return
+        sharding = zero_saving.sharding(self.model) if self.save_freq != "epoch" else []
+        with _rank_zero_io(sharding):
+            if context.get().rank == 0:
+                _KERAS_HOOKS["on_train_batch_end"](self, batch, logs)
 
     def on_train_end(self, logs=None):
         if not _distributed():
@@ -139,6 +157,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         kd_ops.barrier()
         if context.get().rank == 0:
             _KERAS_HOOKS["on_train_end"](self, logs)
+
+
+def _rank_zero_io(sharding):
+    """With a sharded optimizer, every rank takes part in rank 0's write or read of
+    the backup (each rank's share of the optimizer state travels); otherwise nothing."""
+    return zero_saving.rank_zero_io(sharding) if sharding else contextlib.nullcontext()
 
 
 def distribute_keras_class() -> None:

@@ -1,0 +1,34 @@
+"""Saving and resuming a DistributedOptimizer(shard_optimizer_state=True) run (see
+workers/sharded_saving.py): saving on rank 0 alone raises at once there and hangs
+nothing; kd.save_model on every rank writes the whole state in the unsharded layout;
+the file loaded at 2 ranks and at 3 (uneven shares), sharded and unsharded, continues
+to the weights of the uninterrupted run; BackupAndRestore's backup of a 2-rank run
+resumes at 3 ranks exactly."""
+
+import pytest
+
+from tests._mp import run_job
+
+WORKER = "tests/multiprocess/workers/sharded_saving.py"
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
+SAVE_CHECKS = ["check_rank_zero_save_raises", "check_rank_zero_checkpoint_raises",
+               "check_save_whole", "check_load_sharded", "check_backup_written"]
+LOAD_CHECKS = ["check_load_sharded", "check_load_unsharded", "check_backup_resumed"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["tensorflow"])
+def test_sharded_run_saves_whole_and_resumes_at_another_size(backend, tmp_path):
+    env = {**ENV, "KERAS_BACKEND": backend, "SAVING_DIR": str(tmp_path)}
+    saved = run_job(["python", WORKER, "save"], np=2, timeout=280, env=env)
+    saved.check()
+    for rank in range(2):
+        for check in SAVE_CHECKS:
+            assert f"SAVING {check} passed rank={rank}" in saved.output(rank), saved.describe()
+    assert "rank 0 refused" in saved.output(0), saved.describe()
+    loaded = run_job(["python", WORKER, "load"], np=3, timeout=280, env=env)
+    loaded.check()
+    for rank in range(3):
+        for check in LOAD_CHECKS:
+            assert f"SAVING {check} passed rank={rank}" in loaded.output(rank), loaded.describe()
