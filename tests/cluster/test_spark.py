@@ -175,7 +175,11 @@ def _mapped_shm() -> list[str]:
 
 # -- what the ranks run -------------------------------------------------------------------
 
-def _allreduce_on_each_rank(seed, count):
+def _allreduce_on_each_rank(seed, count, names, shipped):
+    """Allreduces against numpy, what this rank's environment holds of ``names``,
+    and the value of the module ``shipped`` (a zip Spark ships): one run, three tests."""
+    import importlib
+
     import keras_dist as kd
 
     kd.init()
@@ -186,7 +190,9 @@ def _allreduce_on_each_rank(seed, count):
             "LOCAL_RANK": os.environ["LOCAL_RANK"],
             "sum64": kd.allreduce(data, op=kd.Sum),
             "max64": kd.allreduce(data, op=kd.Max),
-            "average32": kd.allreduce(data.astype(np.float32), op=kd.Average)}
+            "average32": kd.allreduce(data.astype(np.float32), op=kd.Average),
+            "variables": {name: os.environ.get(name) for name in names},
+            "shipped": importlib.import_module(shipped).VALUE}
 
 
 def _train_mnist_example(script, data, checkpoint_dir):
@@ -231,24 +237,46 @@ def _trivial():
     return kd.rank()
 
 
-def _rank_and_variables(names):
-    import keras_dist as kd
-
-    kd.init()
-    return kd.rank(), {name: os.environ.get(name) for name in names}
-
-
 # -- on the cluster -----------------------------------------------------------------------
 
-@pytest.mark.timeout(150)
-def test_allreduce_of_two_executors_matches_numpy(spark_cluster):
-    seed, count = 20261206, 1000
+SEED, COUNT = 20261206, 1000
+VARIABLES = ["KERAS_DIST_RENDEZVOUS_TIMEOUT", "SPARK_TEST_VALUE", "RANK", "WORLD_SIZE",
+             "MASTER_PORT"]
+
+
+@dataclasses.dataclass
+class _Run:
+    results: object
+    job: _Job
+    stdout: io.StringIO
+    stderr: io.StringIO
+
+
+@pytest.fixture(scope="module")
+def one_run(spark_cluster, tmp_path_factory):
+    """One run() of _allreduce_on_each_rank, which three tests check: its
+    allreduces, the variables each rank gets, a module Spark ships."""
+    # A zip: Spark puts it on the task's sys.path (a file in the executor's
+    # directory alone would not make its modules importable).
+    name = f"keras_dist_spark_shipped_{secrets.token_hex(4)}"
+    archive = tmp_path_factory.mktemp("shipped") / f"{name}.zip"
+    with zipfile.ZipFile(archive, "w") as files:
+        files.writestr(f"{name}.py", "VALUE = 'shipped by addPyFile'\n")
+    spark_cluster.sparkContext.addPyFile(str(archive))
     out, err = io.StringIO(), io.StringIO()
     # num_proc defaults to the cluster's parallelism: its 2 slots.
-    results, job = _run_job(_allreduce_on_each_rank, args=(seed, count), stdout=out, stderr=err)
+    results, job = _run_job(_allreduce_on_each_rank, args=(SEED, COUNT, VARIABLES, name),
+                            stdout=out, stderr=err, start_timeout=45,
+                            env={"SPARK_TEST_VALUE": "from env="})
+    return _Run(results, job, out, err)
+
+
+@pytest.mark.timeout(150)
+def test_allreduce_of_two_executors_matches_numpy(one_run):
+    results = one_run.results
     assert not isinstance(results, Exception), results
-    _assert_no_job_processes(job)
-    data = [np.random.default_rng([seed, rank]).standard_normal(count) for rank in range(2)]
+    _assert_no_job_processes(one_run.job)
+    data = [np.random.default_rng([SEED, rank]).standard_normal(COUNT) for rank in range(2)]
     expected_sum = np.sum(data, axis=0, dtype=np.float64)
     expected_max = np.max(data, axis=0)
     expected_average32 = np.mean([d.astype(np.float32) for d in data], axis=0, dtype=np.float64)
@@ -263,8 +291,28 @@ def test_allreduce_of_two_executors_matches_numpy(spark_cluster):
         np.testing.assert_allclose(result["average32"], expected_average32, rtol=1e-6, atol=1e-7)
     # Each rank's stdout reached the driver, labelled; verbose=1 said where each started.
     for rank in range(2):
-        assert f"[{rank}] rank {rank} of 2 reduces {count} numbers" in out.getvalue()
-        assert f"keras_dist.spark: rank {rank} of 2 started: pid " in err.getvalue()
+        assert f"[{rank}] rank {rank} of 2 reduces {COUNT} numbers" in one_run.stdout.getvalue()
+        assert f"keras_dist.spark: rank {rank} of 2 started: pid " in one_run.stderr.getvalue()
+
+
+@pytest.mark.timeout(60)
+def test_results_in_rank_order_and_the_variables_each_rank_gets(one_run):
+    results = one_run.results
+    assert not isinstance(results, Exception), results
+    assert [result["rank"] for result in results] == [0, 1]
+    for rank, result in enumerate(results):
+        variables = result["variables"]
+        assert variables["KERAS_DIST_RENDEZVOUS_TIMEOUT"] == "45"
+        assert variables["SPARK_TEST_VALUE"] == "from env="
+        assert (variables["RANK"], variables["WORLD_SIZE"]) == (str(rank), "2")
+    assert results[0]["variables"]["MASTER_PORT"] == results[1]["variables"]["MASTER_PORT"]
+
+
+@pytest.mark.timeout(60)
+def test_a_module_spark_ships_imports_in_the_ranks(one_run):
+    results = one_run.results
+    assert not isinstance(results, Exception), results
+    assert [result["shipped"] for result in results] == ["shipped by addPyFile"] * 2, results
 
 
 @pytest.mark.timeout(200)
@@ -317,42 +365,6 @@ def test_exception_on_one_rank_propagates_naming_it(spark_cluster, when):
     assert "_raises_on_rank_1" in text and "test_spark.py" in text, text
     assert isinstance(error.__cause__, ValueError), repr(error.__cause__)
     assert str(error.__cause__) == message
-    _assert_no_job_processes(job)
-
-
-@pytest.mark.timeout(60)
-def test_results_in_rank_order_and_the_variables_each_rank_gets(spark_cluster):
-    names = ["KERAS_DIST_RENDEZVOUS_TIMEOUT", "SPARK_TEST_VALUE", "RANK", "WORLD_SIZE",
-             "MASTER_PORT"]
-    results, job = _run_job(_rank_and_variables, args=(names,), num_proc=2, verbose=0,
-                            start_timeout=45, env={"SPARK_TEST_VALUE": "from env="})
-    assert not isinstance(results, Exception), results
-    _assert_no_job_processes(job)
-    assert [rank for rank, _ in results] == [0, 1]
-    for rank, variables in results:
-        assert variables["KERAS_DIST_RENDEZVOUS_TIMEOUT"] == "45"
-        assert variables["SPARK_TEST_VALUE"] == "from env="
-        assert (variables["RANK"], variables["WORLD_SIZE"]) == (str(rank), "2")
-    assert results[0][1]["MASTER_PORT"] == results[1][1]["MASTER_PORT"]
-
-
-def _imports_a_shipped_module(name):
-    import importlib
-
-    return importlib.import_module(name).VALUE
-
-
-@pytest.mark.timeout(60)
-def test_a_module_spark_ships_imports_in_the_ranks(spark_cluster, tmp_path):
-    # A zip: Spark puts it on the task's sys.path (a file in the executor's
-    # directory alone would not make its modules importable).
-    name = f"keras_dist_spark_shipped_{secrets.token_hex(4)}"
-    archive = tmp_path / f"{name}.zip"
-    with zipfile.ZipFile(archive, "w") as files:
-        files.writestr(f"{name}.py", "VALUE = 'shipped by addPyFile'\n")
-    spark_cluster.sparkContext.addPyFile(str(archive))
-    results, job = _run_job(_imports_a_shipped_module, args=(name,), num_proc=2, verbose=0)
-    assert results == ["shipped by addPyFile"] * 2, results
     _assert_no_job_processes(job)
 
 
