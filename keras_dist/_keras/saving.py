@@ -48,8 +48,8 @@ def save_model(model, filepath, overwrite: bool = True, **kwargs) -> None:
 
     With a `DistributedOptimizer(shard_optimizer_state=True)`, every rank
     holds only its share of the optimizer state: the shares are gathered
-    into the file one variable at a time (no rank holds more than its share
-    plus one variable), in the layout the unsharded optimizer saves, so the
+    into the file one variable at a time (never the whole state on one rank),
+    in the layout the unsharded optimizer saves, so the
     file loads into a sharded or unsharded optimizer at any number of ranks
     (`load_model`). Without sharding, rank 0 saves as `model.save` does. The
     other ranks return once the file is written; if rank 0 fails to write

@@ -20,10 +20,12 @@ Writing (``gathering``, entered on every rank by ``kd.save_model``): rank 0
 runs Keras's save; where it reaches the optimizer, it announces the part
 (the wrapper's variables, or the wrapped optimizer's own entry) and every
 rank sends its pieces of each slot in turn, one broadcast per piece from its
-owner. Rank 0 writes each slot whole before the next: no rank holds more
-than its share plus one variable of extra memory at a time.
+owner. Rank 0 writes each slot whole before the next: beyond its share, no
+rank holds more than the slot being written and the piece in flight.
 
-Loading: each rank reads the file itself and keeps its rows of every slot.
+Loading: each rank reads the file itself and keeps its rows of every slot;
+inside ``rank_zero_io`` (``BackupAndRestore``), rank 0 reads it and sends each
+piece to its owner.
 """
 
 from __future__ import annotations
@@ -268,8 +270,9 @@ def save_part(wrapper, part: str, store) -> None:
             "A DistributedOptimizer with shard_optimizer_state=True holds only this "
             "rank's share of the optimizer state, so a save must be made by every rank "
             "together: call `kd.save_model(model, filepath)` on every rank (rank 0 "
-            "writes the file) instead of `model.save`, `model.save_weights` or "
-            "ModelCheckpoint on one rank. Received: a save on rank "
+            "writes the file), or give kd.callbacks.BestModelCheckpoint to every rank, "
+            "instead of `model.save`, `model.save_weights` or ModelCheckpoint on one "
+            "rank. Received: a save on rank "
             f"{group.rank} of {group.size} alone")
     layout = _layout(wrapper)
     if group.size > 1:
@@ -297,6 +300,13 @@ def sharding(model) -> list:
     while optimizer is not None and not hasattr(optimizer, "shard_optimizer_state"):
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return [optimizer] if optimizer is not None and optimizer.shard_optimizer_state else []
+
+
+def served(model, when: bool = True):
+    """``rank_zero_io`` for ``model``'s sharding optimizer (where ``when``), else a
+    block that does nothing more: for callbacks whose write or read runs on rank 0."""
+    wrappers = sharding(model) if when else []
+    return rank_zero_io(wrappers) if wrappers else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

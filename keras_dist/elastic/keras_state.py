@@ -21,7 +21,8 @@ class KerasState(ObjectState):
             batch=0`` for the elastic callbacks).
 
     Raises:
-        ValueError: the model is not built, or has no optimizer and none is given.
+        ValueError: the model is not built, or has no optimizer and none is given,
+            or the optimizer shards its state (``shard_optimizer_state=True``).
     """
 
     def __init__(self, model, optimizer=None, **kwargs) -> None:
@@ -33,6 +34,14 @@ class KerasState(ObjectState):
         if optimizer is None:
             raise ValueError("KerasState needs an optimizer: compile the model first or pass "
                              "`optimizer=`. Received: a model without an optimizer")
+        if getattr(optimizer, "shard_optimizer_state", False):
+            # A commit would hold each rank's own share, which neither survives the
+            # loss of that rank nor re-shards at another number of ranks.
+            raise ValueError(
+                "KerasState cannot commit a sharded optimizer state yet: pass "
+                "shard_optimizer_state=False to DistributedOptimizer for an elastic run, "
+                "or resume with BackupAndRestore or kd.save_model / kd.load_model. "
+                "Received: shard_optimizer_state=True")
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
         self.model = model

@@ -11,7 +11,6 @@ exactly.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import keras
@@ -100,7 +99,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         for optimizer in sharding:  # built, as rank 0's restore builds it, to take its share
             if not optimizer.built:
                 optimizer.build(self.model.trainable_variables)
-        with _rank_zero_io(sharding):
+        with zero_saving.served(self.model):
             if rank_zero:
                 try:
                     _KERAS_HOOKS["on_train_begin"](self, logs)
@@ -133,7 +132,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if not _distributed():
             _KERAS_HOOKS["on_epoch_end"](self, epoch, logs)
             return
-        with _rank_zero_io(zero_saving.sharding(self.model)):
+        # With a sharded optimizer every rank takes part in rank 0's write (zero_saving).
+        with zero_saving.served(self.model):
             if context.get().rank == 0:
                 _KERAS_HOOKS["on_epoch_end"](self, epoch, logs)
         if self.save_freq == "epoch":
@@ -144,8 +144,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if not _distributed():
             _KERAS_HOOKS["on_train_batch_end"](self, batch, logs)
             return
-        sharding = zero_saving.sharding(self.model) if self.save_freq != "epoch" else []
-        with _rank_zero_io(sharding):
+        with zero_saving.served(self.model, when=self.save_freq != "epoch"):
             if context.get().rank == 0:
                 _KERAS_HOOKS["on_train_batch_end"](self, batch, logs)
 
@@ -157,12 +156,6 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         kd_ops.barrier()
         if context.get().rank == 0:
             _KERAS_HOOKS["on_train_end"](self, logs)
-
-
-def _rank_zero_io(sharding):
-    """With a sharded optimizer, every rank takes part in rank 0's write or read of
-    the backup (each rank's share of the optimizer state travels); otherwise nothing."""
-    return zero_saving.rank_zero_io(sharding) if sharding else contextlib.nullcontext()
 
 
 def distribute_keras_class() -> None:

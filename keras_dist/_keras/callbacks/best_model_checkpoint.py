@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 
+from keras_dist._keras import zero_saving
 from keras_dist._runtime import context
 
 
@@ -24,6 +25,12 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
         save_freq: ``"epoch"`` or a number of batches.
         save_weights_only: save only the weights.
 
+    With ``DistributedOptimizer(shard_optimizer_state=True)``, give it to every
+    rank: rank 0 decides and writes, and every rank sends its share of the
+    optimizer state into the file (``kd.save_model``'s layout); with
+    ``save_freq`` a number of batches, the ranks wait at each batch's end
+    while rank 0 decides.
+
     Example:
 
     ```python
@@ -39,9 +46,11 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
                          mode=mode, save_freq=save_freq)
 
     def on_train_batch_end(self, batch, logs=None):
-        if context.get().rank == 0:
-            super().on_train_batch_end(batch, logs)
+        with zero_saving.served(self.model, when=self.save_freq != "epoch"):
+            if context.get().rank == 0:
+                super().on_train_batch_end(batch, logs)
 
     def on_epoch_end(self, epoch, logs=None):
-        if context.get().rank == 0:
-            super().on_epoch_end(epoch, logs)
+        with zero_saving.served(self.model):
+            if context.get().rank == 0:
+                super().on_epoch_end(epoch, logs)

@@ -6,11 +6,14 @@ hangs nothing; ``kd.save_model`` on every rank writes the whole optimizer
 state in the layout of the unsharded optimizer (compared with the file an
 unsharded twin run writes); training continues for a few steps (the
 reference, written to SAVING_DIR/reference.npz); the file loaded again at 2
-ranks continues to the same weights.
+ranks continues to the same weights; BackupAndRestore writes a backup (and
+the reference of the uninterrupted run); BestModelCheckpoint on every rank
+writes a file that continues as the run that wrote it.
 
 ``sharded_saving.py load`` (any number of ranks): the file loaded by
 ``kd.load_model`` into a sharded optimizer, and by ``load_weights`` into an
-unsharded one, continues to the reference weights.
+unsharded one, continues to the reference weights; the backup resumes the
+second epoch to the uninterrupted run's weights.
 
 Every step trains on the same global batch of GLOBAL rows, split evenly
 between the ranks, so the averaged gradients (float64) are the same at any
@@ -41,6 +44,7 @@ import keras  # noqa: E402
 import keras_dist as kd  # noqa: E402
 from tests.multiprocess.workers._checks import run_checks  # noqa: E402
 
+keras.config.set_floatx("float64")  # inputs too: the runs at 2 and 3 ranks agree to 1e-15
 kd.init()
 RANK, SIZE = kd.rank(), kd.size()
 DIRECTORY = os.environ["SAVING_DIR"]
@@ -161,6 +165,27 @@ def check_load_unsharded():
     check_resumed(model, REFERENCE_WEIGHTS, f"unsharded, loaded at {SIZE} ranks")
 
 
+def check_best_model_checkpoint():
+    """kd.callbacks.BestModelCheckpoint on every rank writes the whole state: the file
+    continues as the run that wrote it does."""
+    path = os.path.join(DIRECTORY, "best.keras")
+    model = make(True)
+    fit(model, 0, BEFORE, [kd.callbacks.BestModelCheckpoint(monitor="loss", filepath=path)])
+    loaded = kd.load_model(path)
+    fit(model, BEFORE, AFTER)
+    check_resumed(loaded, weights(model), "BestModelCheckpoint's file")
+
+
+def check_keras_state_refuses():
+    """Elastic commits cannot hold a sharded state yet: KerasState says so at once."""
+    try:
+        kd.elastic.KerasState(make(True), epoch=0)
+    except ValueError as error:
+        assert "shard_optimizer_state=False" in str(error), error
+    else:
+        raise AssertionError("KerasState took a sharded optimizer")
+
+
 def save_reference(path, arrays):
     if RANK == 0:
         np.savez(path, *arrays)
@@ -202,7 +227,8 @@ def check_backup_resumed():
 
 if sys.argv[1] == "save":
     checks = [check_rank_zero_save_raises, check_rank_zero_checkpoint_raises,
-              check_save_whole, check_load_sharded, check_backup_written]
+              check_save_whole, check_load_sharded, check_backup_written,
+              check_best_model_checkpoint, check_keras_state_refuses]
 else:
     REFERENCE_WEIGHTS[:] = load_reference(REFERENCE)
     checks = [check_load_sharded, check_load_unsharded, check_backup_resumed]
