@@ -312,7 +312,7 @@ def _run(options: LaunchOptions, job: str, discovery: Discovery, used: set[str],
                 _say(f"done after {launches} launches: {restarts} restart(s) after "
                      f"failures, {resizes} resize(s)")
             return 0
-        failed_at = _failure_wall(outcome)
+        failed_at = report.failure_wall(outcome.reports)
         ended_at = outcome.ended
         lost = [] if discovery.local else watch.silent or lost_hosts(
             outcome, hosts, num_proc, options)
@@ -328,12 +328,6 @@ def _run(options: LaunchOptions, job: str, discovery: Discovery, used: set[str],
         restarts += 1
         _say(f"{what}; restarting (restart {restarts} of {elastic.max_restarts})"
              + (f"; {', '.join(lost)} left out for {elastic.cooldown:g} s" if lost else ""))
-
-
-def _failure_wall(outcome) -> float | None:
-    first = report.first_failed_rank(outcome.reports)
-    found = report.failure(outcome.reports[first]) if first in outcome.reports else None
-    return found.wall if found is not None and found.wall else None
 
 
 def _report_cost(outcome, failed_at, ended_at, started) -> None:

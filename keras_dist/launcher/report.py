@@ -192,6 +192,20 @@ def first_failed_rank(reports: dict[int, RankReport]) -> int | None:
         seen.add(rank)
 
 
+def failure_wall(reports: dict[int, RankReport]) -> float | None:
+    """When the job failed, by wall time: when the rank named first failed,
+    or, where that rank left no record of it (killed before its supervisor
+    could send one), the earliest failure another rank recorded (it saw the
+    failure then at the latest). None when no rank recorded a failure time."""
+    first = first_failed_rank(reports)
+    found = failure(reports[first]) if first in reports else None
+    if found is not None and found.wall:
+        return found.wall
+    walls = [item.wall for item in map(failure, reports.values())
+             if item is not None and item.wall]
+    return min(walls) if walls else None
+
+
 def exit_status(reports: dict[int, RankReport]) -> int | None:
     """The exit status of the rank that failed first, for kdrun's own: the
     child's status, 128 plus the signal that killed it, 1 for a rank that left

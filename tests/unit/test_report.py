@@ -266,3 +266,16 @@ def test_native_peer_failures_name_their_peer(message, peer):
 
     translated = shm.translate(_native.PeerFailureError(message))
     assert isinstance(translated, PeerFailureError) and translated.peer_rank == peer
+
+
+def test_the_failure_time_is_the_named_ranks_else_the_earliest_recorded():
+    reports = _reports(_started(0), _started(1), _exit(1, 2.0, wall=20.0, signal="SIGKILL"),
+                       _error(0, 1.0, wall=19.0, peer_rank=1))
+    assert report.failure_wall(reports) == 20.0  # the named rank's, though later
+    # Rank 1 was killed before its supervisor recorded it: the others saw it fail by then.
+    silent = _reports(_started(0), _started(1), _started(2),
+                      _error(2, 3.0, wall=31.0, peer_rank=1), _error(0, 2.0, wall=30.5,
+                                                                    peer_rank=1))
+    assert report.first_failed_rank(silent) == 1
+    assert report.failure_wall(silent) == 30.5
+    assert report.failure_wall(_reports(_started(0), _started(1))) is None
