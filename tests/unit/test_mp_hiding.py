@@ -19,6 +19,10 @@ def test_hidden_packages_cannot_be_imported_and_the_rest_can():
     done = _imports(code, "jax, matplotlib")
     assert done.returncode == 0 and done.stdout.split() == ["hidden", "matplotlib"], done
     assert _imports("import numpy, mpi4py", "jax,matplotlib").returncode == 0
+    # As for a package that is not installed (torch._dynamo asks so for TensorFlow).
+    done = _imports("import importlib.util as u; print(u.find_spec('matplotlib'), "
+                    "u.find_spec('numpy') is None)", "jax,matplotlib")
+    assert done.returncode == 0 and done.stdout.split() == ["None", "False"], done
 
 
 def test_nothing_is_hidden_without_names():
