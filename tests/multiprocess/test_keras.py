@@ -16,12 +16,12 @@ from tests._mp import run_job
 WORKER = "tests/multiprocess/keras_workers/train_checks.py"
 # The default transport (shared memory on one machine), as a user gets it.
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
-# The JAX job's ranks start as on a JAX-only install: with TensorFlow installed,
-# keras.utils.set_random_seed imports it to seed it too (seconds of CPU a rank).
-# TensorFlow's job hides JAX (tests/_mp.py's default); PyTorch's hides nothing,
-# as torch._dynamo asks importlib for TensorFlow and JAX's specs, which the
-# tests' hiding answers with an error.
-HIDDEN = {"jax": ("tensorflow", "torch", "matplotlib")}
+# The JAX and PyTorch jobs' ranks start as on an install of that framework
+# alone: with TensorFlow installed, keras.utils.set_random_seed imports it to
+# seed it too (seconds of CPU a rank). TensorFlow's job hides JAX (tests/_mp.py's
+# default).
+HIDDEN = {"jax": ("tensorflow", "torch", "matplotlib"),
+          "torch": ("tensorflow", "jax", "jaxlib", "matplotlib")}
 
 
 @pytest.mark.slow
