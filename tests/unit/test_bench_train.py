@@ -150,7 +150,7 @@ def test_plots_write_png_files(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
+def test_plot_without_matplotlib_names_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(ImportError, match=r"keras-dist\[plot\]"):
+    with pytest.raises(ImportError, match=r"pip install matplotlib` \(the extra plot of "):
         plot.train_bars(str(tmp_path / "x.png"), ["a"], [1.0], "t")
