@@ -66,7 +66,6 @@ class _LocalState:
         self.layers: list = []  # local layers, their weights read at each step
         self.pending: tuple | None = None  # gradients `compute_gradients` reduced
         self.shards: zero.Shards | None = None  # this rank's share (shard_optimizer_state)
-        self.layout: zero_saving.Layout | None = None  # its place in a file (zero_saving)
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -279,7 +278,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         if self.shard_optimizer_state:
             group = context.get()
             self._local.shards = zero.Shards(self, list(var_list), group.rank, group.size)
-            zero_saving.install(self)
+            zero_saving.install(self, self._local.shards)
         else:
             self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)

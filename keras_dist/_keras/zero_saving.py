@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import weakref
 
 import keras
 import numpy as np
@@ -107,11 +108,12 @@ class Layout:
 
     Args:
         wrapper: the ``DistributedOptimizer`` (built, sharding its state).
+        shards: its ``zero.Shards``.
         variables: its trainable variables, in the order every rank shares.
     """
 
-    def __init__(self, wrapper, variables):
-        shards, inner = wrapper._local.shards, wrapper.inner_optimizer
+    def __init__(self, wrapper, shards, variables):
+        inner = wrapper.inner_optimizer
         self.shards = shards
         self.variables = list(variables)
         proxies = {id(target) for _, _, target in shards.own}
@@ -246,15 +248,24 @@ class Layout:
 _ACTIVE: list[bool] = []
 
 
+#: Each sharding ``DistributedOptimizer``'s ``zero.Shards`` (``install``), and its
+#: ``Layout`` once a save or load needed it.
+_SHARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _layout(wrapper) -> Layout:
-    if wrapper._local.layout is None:
-        wrapper._local.layout = Layout(wrapper, compat.built_variables(wrapper))
-    return wrapper._local.layout
+    if wrapper not in _LAYOUTS:
+        _LAYOUTS[wrapper] = Layout(wrapper, _SHARDS[wrapper], compat.built_variables(wrapper))
+    return _LAYOUTS[wrapper]
 
 
-def install(wrapper) -> None:
-    """Gives a sharding ``wrapper``'s wrapped optimizer the unsharded layout in files
-    too (Keras saves and loads it under its own entry, beside the wrapper's)."""
+def install(wrapper, shards) -> None:
+    """Gives a sharding ``wrapper`` (its share: ``shards``) and its wrapped
+    optimizer the unsharded layout in files (Keras saves and loads the wrapped
+    optimizer under its own entry, beside the wrapper's)."""
+    _SHARDS[wrapper] = shards
+    _LAYOUTS.pop(wrapper, None)
     inner = wrapper.inner_optimizer
     inner.save_own_variables = functools.partial(save_part, wrapper, "inner")
     inner.load_own_variables = functools.partial(load_part, wrapper, "inner")
