@@ -95,6 +95,9 @@ class Server(wire.LineServer):
         self.started = False
         self.done = False
         self.exit_code = 0
+        #: Why the start was called off, while the server stays to tell the
+        #: ranks still to come (None: not called off).
+        self.refusal: str | None = None
 
     def describe(self, conn: wire.Connection) -> str:
         claim = conn.claim or {}
@@ -104,7 +107,8 @@ class Server(wire.LineServer):
     # -- claims -----------------------------------------------------------------
     def claimed(self, conn: wire.Connection, claim: dict[str, str]) -> None:
         cmd = claim.get("cmd")
-        if cmd == "kd_watch" and wire.whole(claim, "rank", -1, self.size - 1) is not None:
+        if (cmd == "kd_watch" and self.refusal is None
+                and wire.whole(claim, "rank", -1, self.size - 1) is not None):
             self.watchers.add(conn)
         elif cmd == "kd_hello":
             self._hello(conn, claim)
@@ -113,6 +117,9 @@ class Server(wire.LineServer):
 
     def _hello(self, conn: wire.Connection, claim: dict[str, str]) -> None:
         who = f"host {claim.get('host', '?')}, pid {claim.get('pid', '?')}"
+        if self.refusal is not None:  # the start was called off: say why to each who comes
+            self._refuse(conn, self.refusal)
+            return
         if self.started:  # a latecomer cannot join; the running job goes on
             self._refuse(conn, f"the job of {self.size} processes at this rendezvous has "
                                f"started already; this process ({who}) is not part of it")
@@ -123,16 +130,17 @@ class Server(wire.LineServer):
             self._refuse_all(f"rank {claim.get('rank', '?')} ({who}) was told the job has "
                              f"{claim.get('size', '?')} processes, rank 0 was told "
                              f"{self.size}: every process must be given the same world size",
-                             conn)
+                             conn, linger=True)
             return
         if rank is None:
             self._refuse_all(f"a process ({who}) claimed rank {claim.get('rank', '?')!r}, "
-                             f"outside [0, {self.size})", conn)
+                             f"outside [0, {self.size})", conn, linger=True)
             return
         if rank in self.ranks:
             other = self.ranks[rank].claim
             self._refuse_all(f"two processes claim rank {rank}: host {other.get('host', '?')} "
-                             f"pid {other.get('pid', '?')} and {who.replace(',', '')}", conn)
+                             f"pid {other.get('pid', '?')} and {who.replace(',', '')}", conn,
+                             linger=True)
             return
         self.ranks[rank] = conn
         self.rank_of[conn] = rank
@@ -145,12 +153,25 @@ class Server(wire.LineServer):
         self.send(conn, wire.format_line("kd_refuse", message=quote(message)))
         self.close_when_sent(conn)
 
-    def _refuse_all(self, message: str, *others: wire.Connection) -> None:
-        """Ends the start-up: every process that came is told why."""
+    def _refuse_all(self, message: str, *others: wire.Connection, linger: bool = False) -> None:
+        """Calls the start off: every process that came is told why. ``linger``
+        (a rank's claim stopped the start), where the process that started this
+        server is watched: the server stays until that process ends (or the
+        start-up timeout passes), telling each rank that comes later the same;
+        that process, rank 0, may greet after the rank that stopped the start,
+        and must hear why rather than wait for a server that is gone."""
         for member in [*self.ranks.values(), *others]:
-            self.send(member, wire.format_line("kd_refuse", message=quote(message)))
+            self._refuse(member, message)
+        self.ranks.clear()
+        self.rank_of.clear()
         sys.stderr.write(f"keras_dist rendezvous: {message}\n")
-        self._end(1)
+        if linger and self.starter is not None:
+            self.refusal = message
+            for watcher in list(self.watchers):  # an executor's watch hears the end now
+                self.close(watcher)
+            self.watchers.clear()
+        else:
+            self._end(1)
 
     def _start_timed_out(self) -> None:
         missing = sorted(set(range(self.size)) - set(self.ranks))
@@ -168,7 +189,9 @@ class Server(wire.LineServer):
         if os.read(self.starter.fileno(), 4096):
             return
         self.selector.unregister(self.starter)  # the process that started this server ended
-        if not self.started and not self.done:
+        if self.refusal is not None:
+            self._end(1)
+        elif not self.started and not self.done:
             self._refuse_all("the process that started this job's rendezvous ended before "
                              "every rank came")
 
@@ -262,7 +285,9 @@ class Server(wire.LineServer):
                         member in self.connections for member in self.ranks.values()):
                     break
                 if not self.started and time.monotonic() > self.deadline:
-                    self._start_timed_out()
+                    if self.refusal is None:
+                        self._start_timed_out()
+                    self._end(1)
                     break
                 self.step(1.0)
             return self.exit_code

@@ -2,6 +2,7 @@
 speak to it: greetings, PMI-1 (store, barrier, finalize, abort) and the watch
 that tells every rank when one died."""
 
+import os
 import socket
 import threading
 import time
@@ -15,13 +16,15 @@ SECRET = b"0123456789abcdef-test-secret"
 
 
 class Job:
-    """A server on a free port, run in a thread; ``connect`` gives a rank's socket."""
+    """A server on a free port, run in a thread; ``connect`` gives a rank's socket.
+    ``starter``: the read end of a pipe whose close stands for the end of the
+    process that started the server (rank 0), as ``start_process_manager`` gives."""
 
-    def __init__(self, size, timeout=60.0, secret=SECRET):
+    def __init__(self, size, timeout=60.0, secret=SECRET, starter=None):
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()
         self.secret = secret
-        self.server = pmi_server.Server(self.listener, size, timeout, secret)
+        self.server = pmi_server.Server(self.listener, size, timeout, secret, starter)
         self.exit_code = None
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -96,6 +99,23 @@ def test_a_start_that_cannot_be_is_refused_to_every_process(second, expected):
         answer = receive(sock)
         assert answer["cmd"] == "kd_refuse" and expected in unquote(answer["message"])
     assert job.finish() == 1
+
+
+def test_rank_0_greeting_after_the_rank_that_stopped_the_start_still_hears_why():
+    read_end, write_end = os.pipe()
+    with open(read_end, "rb", buffering=0) as starter:
+        job = Job(2, starter=starter)
+        outside = job.connect("kd_watch", rank=-1)  # an executor's watch
+        early = greet(job, 1, 3)  # rank 1, told another world size, comes first
+        expected = "rank 1 (host h, pid 101) was told the job has 3 processes, rank 0 was told 2"
+        assert expected in unquote(receive(early)["message"])
+        assert receive(outside) is None  # the watch ends with the start
+        for rank in (0, 1):  # the server stays for rank 0, and says the same to whoever comes
+            answer = receive(greet(job, rank, 2))
+            assert answer["cmd"] == "kd_refuse" and expected in unquote(answer["message"])
+        assert job.thread.is_alive()
+        os.close(write_end)  # rank 0, having heard, ends: so does the server
+        assert job.finish() == 1
 
 
 def test_ranks_that_never_come_are_named_when_the_start_times_out():
