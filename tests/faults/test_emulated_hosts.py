@@ -4,7 +4,9 @@ a job started through kdrun's host file and one whose processes start
 themselves, each checking an allreduce against float64; nothing left
 afterwards, whether the run ends by itself or is stopped; and the cross-host
 allreduce benchmark (benchmarks/emulated_hosts_allreduce.py), run tiny, with
-every peer's result checked.
+every peer's result checked; and the training benchmark
+(benchmarks/emulated_hosts_train.py), a few steps of the MLP through
+keras_dist and PyTorch DDP, weights equal on every rank and losses finite.
 
 Needs root, ``ip netns``, ``tc`` and ``unshare``; skipped otherwise.
 """
@@ -146,4 +148,30 @@ def test_the_cross_host_benchmark_checks_every_peer():
     for row in rows:  # every peer's #wrong is 0
         assert [cells.split()[-1] for cells in row[1:1 + len(peers.split(","))]] == \
             ["0"] * len(peers.split(",")), message
+    assert "# cleanup: nothing left" in done.stdout, message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (DDP)")
+def test_the_cross_host_training_benchmark_checks_keras_dist_and_ddp():
+    # Most of its time is each rank importing TensorFlow and torch: about 20 s
+    # of CPU per rank, 1-2 minutes of wall time on this 2-core machine at a
+    # load average of 10 (TensorFlow's import alone took 45 s there).
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "emulated_hosts_train.py"),
+         "--hosts", "2", "--models", "mlp", "--kinds", "keras_dist,DDP",
+         "--steps", "2", "--reps", "1", "--warmup", "1", "--link-seconds", "0.5",
+         "--timeout", "240"],
+        capture_output=True, text=True, timeout=270, env=ENV)
+    message = f"rc={done.returncode}\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, message
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines()
+               if "RESULT " in line]
+    assert [(r["model"], r["hosts"], r["config"]) for r in results] == \
+        [("mlp", 2, "keras_dist"), ("mlp", 2, "DDP")], message
+    assert all(result["step_ms"] > 0 for result in results), message
+    assert "checked: weights equal on every rank (0 ranks differ), losses finite (0 not)" \
+        in done.stdout, message
+    assert "# ranks done, 0 failed checks" in done.stdout, message
     assert "# cleanup: nothing left" in done.stdout, message
