@@ -268,7 +268,7 @@ def _plots(folder: Path, points, fits, rows, models, configs, predict) -> None:
                 axis.plot(*zip(*mine), "o", color=color, label=f"{config}, 1 Gbit/s measured")
         axis.set(xscale="log", yscale="log", xlabel="hosts (one rank each)", ylabel="step, ms",
                  title=model if model == "cnn" else
-                 f"{model} (compute scaled from the MLP; not measured)")
+                 f"{model} (compute scaled from the MLP)")
         axis.legend(fontsize=5)
     figure.tight_layout()
     figure.savefig(folder / "emulated_hosts_step_hosts.png", dpi=110)
