@@ -165,11 +165,12 @@ class Layout:
         variable = self.held.get((slot.index, piece.start, slot.ordinal))
         return None if variable is None else keras.ops.convert_to_numpy(variable.value)
 
-    def gather(self, slot: Slot) -> np.ndarray | None:
-        """``slot`` whole on rank 0 (None elsewhere): a broadcast per piece from its owner."""
+    def gather(self, slot: Slot, everywhere: bool = False) -> np.ndarray | None:
+        """``slot`` whole on rank 0, or on every rank with ``everywhere`` (None
+        elsewhere): a broadcast per piece from its owner."""
         group = context.get()
         pieces = self.shards.pieces[slot.index]
-        whole = np.empty(slot.shape, slot.dtype) if group.rank == 0 else None
+        whole = np.empty(slot.shape, slot.dtype) if everywhere or group.rank == 0 else None
         for piece in pieces:
             shape = slot.shape if len(pieces) == 1 else (
                 piece.stop - piece.start, *slot.shape[1:])
@@ -183,11 +184,25 @@ class Layout:
                 whole[slice(piece.start, piece.stop) if len(pieces) > 1 else ...] = value
         return whole
 
+    def values(self, part: str, everywhere: bool = False):
+        """The unsharded ``part``'s values in order (numpy arrays), gathered a
+        variable at a time: on rank 0, or on every rank with ``everywhere``
+        (None elsewhere for the slots). A collective."""
+        for entry in self.entries(part):
+            yield self.gather(entry, everywhere) if isinstance(entry, Slot) else (
+                keras.ops.convert_to_numpy(entry.value))
+
+    def specs(self, part: str) -> list[tuple[str, tuple[int, ...], str]]:
+        """(name, shape, dtype) of each entry of the unsharded ``part``."""
+        return [(f"{self.variables[e.index].path}'s optimizer state {e.ordinal}", e.shape,
+                 e.dtype) if isinstance(e, Slot) else (
+                     e.path, tuple(int(d) for d in e.shape),
+                     keras.backend.standardize_dtype(e.dtype))
+                for e in self.entries(part)]
+
     def write(self, part: str, store) -> None:
         """The unsharded ``part`` into ``store`` (rank 0; ``store`` None elsewhere)."""
-        for i, entry in enumerate(self.entries(part)):
-            value = self.gather(entry) if isinstance(entry, Slot) else (
-                keras.ops.convert_to_numpy(entry.value))
+        for i, value in enumerate(self.values(part)):
             if store is not None:
                 store[str(i)] = value
 
@@ -302,6 +317,25 @@ def load_part(wrapper, part: str, store) -> None:
     layout.check(part, store)
     kd_ops.broadcast_object(("read", part), root_rank=0)
     layout.scatter(part, store)
+
+
+def gather_everywhere(wrapper) -> list[np.ndarray]:
+    """The whole state of a sharding ``wrapper`` in the unsharded layout (what
+    ``kd.save_model`` writes of it), on every rank: a collective, each slot
+    gathered in turn (a broadcast per piece from its owner), for an elastic
+    commit that must survive the loss of any rank and re-shard at another size."""
+    return list(_layout(wrapper).values("wrapper", everywhere=True))
+
+
+def unsharded_specs(wrapper) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of each array ``gather_everywhere`` gives, at any size."""
+    return _layout(wrapper).specs("wrapper")
+
+
+def keep_share(wrapper, arrays) -> None:
+    """This rank's share of ``arrays`` (as ``gather_everywhere`` gives them, at
+    this or any other number of ranks) into a sharding ``wrapper``: no collective."""
+    _layout(wrapper).read("wrapper", {str(i): a for i, a in enumerate(arrays)})
 
 
 def sharding(model) -> list:

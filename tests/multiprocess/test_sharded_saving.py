@@ -19,7 +19,7 @@ HIDDEN = {"jax": ("tensorflow", "torch", "matplotlib"),
           "torch": ("tensorflow", "jax", "jaxlib", "matplotlib")}
 SAVE_CHECKS = ["check_save_whole", "check_load_sharded", "check_best_model_checkpoint",
                "check_backup_written", "check_rank_zero_save_raises",
-               "check_rank_zero_checkpoint_raises", "check_keras_state_refuses"]
+               "check_rank_zero_checkpoint_raises"]
 LOAD_CHECKS = ["check_load_sharded", "check_load_unsharded", "check_backup_resumed"]
 
 

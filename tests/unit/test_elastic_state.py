@@ -65,6 +65,42 @@ def test_keras_state_checks_and_round_trip():
     assert state.epoch == 1
 
 
+def test_keras_state_commits_a_sharded_optimizer_in_the_unsharded_layout():
+    """A sharded optimizer's commit holds the same arrays as its unsharded twin's
+    (the layout kd.save_model writes), and restores into either (one rank here;
+    tests/elastic/test_elastic_sharded.py re-shards at 3 -> 2 -> 3 ranks)."""
+    import keras
+
+    rng = np.random.default_rng(3)
+    initial = [rng.normal(size=(3, 4)), np.zeros(4), rng.normal(size=(4, 2)), np.zeros(2)]
+    x, y = rng.normal(size=(8, 3)), rng.normal(size=(8, 2))
+
+    def trained(shard):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                                  keras.layers.Dense(2)])
+        model.set_weights(initial)
+        model.compile(loss="mse", optimizer=kd.DistributedOptimizer(
+            keras.optimizers.Adam(0.1), shard_optimizer_state=shard))
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        return model, kd.elastic.KerasState(model, epoch=0)
+
+    (sharded, state), (_, twin) = trained(True), trained(False)
+    committed, _ = state._capture()
+    expected, _ = twin._capture()
+    assert [np.shape(a) for a in committed] == [np.shape(a) for a in expected]
+    for got, want in zip(committed, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    state.commit()
+    for variable in sharded.variables + sharded.optimizer.variables:
+        variable.assign(keras.ops.ones_like(variable))
+    state.restore()
+    for got, want in zip(state._capture()[0], committed):
+        np.testing.assert_array_equal(got, want)
+    state._apply(expected, {"epoch": 0})  # the unsharded twin's commit
+    for got, want in zip(state._capture()[0], expected):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_store_keeps_the_newest_whole_commit(tmp_path):
     store = Store("job", base=str(tmp_path), host="h")
     assert store.newest() == -1

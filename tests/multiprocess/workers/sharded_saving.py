@@ -35,16 +35,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 
-if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
-    import tensorflow as tf
+from tests._threads import one_thread_per_rank  # noqa: E402
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-elif os.environ["KERAS_BACKEND"] == "torch":
-    import torch
-
-    torch.set_num_threads(1)
-
+one_thread_per_rank()
 import keras  # noqa: E402
 
 import keras_dist as kd  # noqa: E402
@@ -219,21 +212,11 @@ def check_rank_zero_checkpoint_raises():
         assert RANK != 0, "ModelCheckpoint on rank 0 alone did not raise"
 
 
-def check_keras_state_refuses():
-    """Elastic commits cannot hold a sharded state yet: KerasState says so at once."""
-    try:
-        kd.elastic.KerasState(sharded_run(), epoch=0)
-    except ValueError as error:
-        assert "shard_optimizer_state=False" in str(error), error
-    else:
-        raise AssertionError("KerasState took a sharded optimizer")
-
-
 if sys.argv[1] == "save":
     # The checks that train the run further (the rank-0-only saves) come last.
     checks = [check_save_whole, check_load_sharded, check_best_model_checkpoint,
               check_backup_written, check_rank_zero_save_raises,
-              check_rank_zero_checkpoint_raises, check_keras_state_refuses]
+              check_rank_zero_checkpoint_raises]
 else:
     with np.load(REFERENCE) as saved:
         REFERENCE_WEIGHTS[:] = [saved[f"arr_{i}"] for i in range(len(saved.files))]
