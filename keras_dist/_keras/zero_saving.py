@@ -26,6 +26,11 @@ rank holds more than the slot being written and the piece in flight.
 Loading: each rank reads the file itself and keeps its rows of every slot;
 inside ``rank_zero_io`` (``BackupAndRestore``), rank 0 reads it and sends each
 piece to its owner.
+
+Elastic commits (``kd.elastic.KerasState``): the same gather, kept on every
+rank (``gather_everywhere``), so that any rank's or machine's copy holds the
+whole state; a restore at any number of ranks keeps this rank's rows of it
+(``keep_share``).
 """
 
 from __future__ import annotations
