@@ -14,12 +14,13 @@ across ranks by the wrapper's usual allreduce:
    every gradient, with no further collective);
 2. copies each proxy's rows from its variable and applies the wrapped
    optimizer (clipping and unscaling off for that call) to the share;
-3. exchanges the updated weights in one grouped allreduce (Sum) in which each
-   rank contributes its share and zeros elsewhere: ``x + 0 = x`` exactly, so
-   every rank ends the step with bit for bit the weights of its owners, the
-   same weights the unsharded optimizer computes. Within a traced step this is
-   the collective every backend already runs natively (TensorFlow's kernel,
-   JAX's FFI handler, torch in place).
+3. exchanges the updated weights by a Sum allreduce per bucket of variables
+   (at most the fusion threshold's bytes), in which each rank contributes its
+   share and zeros elsewhere: ``x + 0 = x`` exactly, so every rank ends the
+   step with bit for bit the weights of its owners, the same weights the
+   unsharded optimizer computes. Within a traced step this is the collective
+   every backend already runs natively (TensorFlow's kernel, JAX's FFI
+   handler); the temporaries are a bucket's, not the model's.
 
 The traffic is that of two allreduces (the gradients, the weights), one more
 than without sharding; see docs/zero.md for the measurements.
@@ -28,6 +29,7 @@ than without sharding; see docs/zero.md for the measurements.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import keras
 from keras import ops
@@ -37,6 +39,8 @@ from keras_dist import _vocab
 from keras_dist._keras import backends
 from keras_dist._keras.gradients import to_dense
 from keras_dist._keras.zero_partition import Piece, Tensor, plan
+from keras_dist._runtime import context
+from keras_dist.tensor import kinds
 from keras_dist.tensor import ops as kd_ops
 
 #: Optimizers whose update is element-wise (exact on any block of rows): only
@@ -102,6 +106,11 @@ class Shards:
                     compat.exclude_from_weight_decay(inner, proxy)
                 self.own.append((index, piece, proxy))
         self.held = [target for _, _, target in self.own]
+        #: The exchange's buckets: runs of consecutive variables of at most the
+        #: fusion threshold's bytes (a larger variable alone), so its temporaries
+        #: are one bucket's, never the model's.
+        self.buckets = _buckets([_nbytes(v) for v in variables],
+                                context.get().config.fusion_threshold_bytes)
         #: Inner variables every rank holds alike (not slots of its share).
         self.replicated_inner = list(inner.variables)
         inner.build(self.held)
@@ -135,27 +144,59 @@ class Shards:
         self.exchange(variables)
 
     def exchange(self, variables) -> None:
-        """Every rank's share of the weights to every rank (one grouped Sum allreduce)."""
+        """Every rank's share of the weights to every rank: a Sum allreduce per bucket
+        of variables, each rank contributing its share and zeros elsewhere.
+
+        A bucket's zeros are made once the previous bucket is reduced (in a traced
+        TensorFlow step too: ``kinds.after``), so at most about two buckets of
+        temporaries live at once. A variable this rank owns whole keeps its value
+        (``x + 0 = x``): it is sent, not assigned.
+        """
         if self.size == 1:
             return
         owned = {(index, piece.start): target for index, piece, target in self.own}
-        contributions = []
-        for index, (variable, pieces) in enumerate(zip(variables, self.pieces)):
-            parts = []
-            for piece in pieces:
-                target = owned.get((index, piece.start))
-                if target is not None:
-                    parts.append(target.value)
-                elif len(pieces) == 1:
-                    parts.append(ops.zeros(variable.shape, variable.dtype))
-                else:
-                    parts.append(ops.zeros((piece.stop - piece.start, *variable.shape[1:]),
-                                           variable.dtype))
-            contributions.append(parts[0] if len(parts) == 1
-                                 else ops.concatenate(parts, axis=0))
-        summed = backends.host_function(_sum_allreduce)(contributions)
-        for variable, value in zip(variables, summed):
-            variable.assign(value)
+        previous: list = []
+        for bucket in self.buckets:
+            with kinds.after(previous):
+                contributions = [self._contribution(variables[i], self.pieces[i], i, owned)
+                                 for i in bucket]
+                summed = backends.host_function(_sum_allreduce)(contributions)
+            for i, value in zip(bucket, summed):
+                if not (len(self.pieces[i]) == 1 and (i, 0) in owned):
+                    variables[i].assign(value)
+            previous = summed
+
+    @staticmethod
+    def _contribution(variable, pieces, index, owned):
+        """``variable``'s rows as this rank sends them: its own, zeros elsewhere."""
+        parts = []
+        for piece in pieces:
+            target = owned.get((index, piece.start))
+            if target is not None:
+                parts.append(target.value)
+            elif len(pieces) == 1:
+                parts.append(ops.zeros(variable.shape, variable.dtype))
+            else:
+                parts.append(ops.zeros((piece.stop - piece.start, *variable.shape[1:]),
+                                       variable.dtype))
+        return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=0)
+
+
+def _nbytes(variable) -> int:
+    return math.prod(int(d) for d in variable.shape) * _itemsize(variable.dtype)
+
+
+def _buckets(nbytes: list[int], limit: int) -> list[list[int]]:
+    """Indices ``0..len(nbytes)-1`` in runs of at most ``limit`` bytes (a larger one alone)."""
+    buckets: list[list[int]] = []
+    total = 0
+    for index, size in enumerate(nbytes):
+        if not buckets or total + size > limit:
+            buckets.append([])
+            total = 0
+        buckets[-1].append(index)
+        total += size
+    return buckets
 
 
 def _sum_allreduce(values: list) -> list:

@@ -3,14 +3,17 @@ PyTorch (see workers/sharded_optimizer.py): every Keras optimizer and the wrappe
 options against the unsharded DistributedOptimizer, each rank's share of the state,
 and fit with BroadcastGlobalVariablesCallback. At 1 and 3 ranks (shares that do not
 divide evenly) on PyTorch, the cheapest backend to start, with the JAX subset of
-optimizers and every option."""
+optimizers and every option. The weights' exchange runs in buckets of a few variables."""
 
 import pytest
 
 from tests._mp import run_job
 
 WORKER = "tests/multiprocess/workers/sharded_optimizer.py"
-ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", "SHARDED_STEPS": "10"}
+# A fusion threshold of 256 bytes: the weights' exchange runs in several buckets
+# (zero.Shards.exchange), a few variables each, the first one alone.
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", "SHARDED_STEPS": "10",
+       "KERAS_DIST_FUSION_THRESHOLD": "256"}
 # Every Keras optimizer on TensorFlow and PyTorch; on JAX (a jit compile each, the
 # slowest) one element-wise and the shape-dependent ones, with every option.
 SWEEPS = {"tensorflow": "", "torch": "", "jax": "sgd_nesterov,lamb,adafactor,muon"}
