@@ -191,18 +191,21 @@ def main(argv=None) -> int:
               f"{fitted:>10.2f} {r['alone_ms']:>9.2f}")
 
     # Predictions: the CNN as measured, a 100 M-parameter dense model scaled from the MLP.
-    def measured(model: str, config: str) -> dict:
-        return next(r for r in rows if r["model"] == model and r["config"] == config)
+    def alone(model: str, config: str) -> float:
+        """The model's step alone (s), mean over the runs that measured it."""
+        return float(np.mean([r["alone_ms"] for r in rows
+                              if r["model"] == model and r["config"] == config])) / 1e3
+
+    def parameters_of(model: str) -> int:
+        return next(r["parameters"] for r in rows if r["model"] == model)
 
     models = {}
     if any(r["model"] == "cnn" for r in rows):
-        cnn = measured("cnn", "keras_dist")
-        models["cnn"] = (cnn["parameters"], {c: measured("cnn", c)["alone_ms"] / 1e3
-                                             for c in configs})
+        models["cnn"] = (parameters_of("cnn"), {c: alone("cnn", c) for c in configs})
     if any(r["model"] == "mlp" for r in rows):
-        mlp = measured("mlp", "keras_dist")
-        models["100M"] = (100e6, {c: measured("mlp", c)["alone_ms"] / 1e3 * 100e6
-                                  / mlp["parameters"] for c in configs})
+        models["100M"] = (100e6, {c: alone("mlp", c) * 100e6 / parameters_of("mlp")
+                                  for c in configs})
+
     def predict(model: str, config: str, gbit: float, hosts: int) -> tuple[float, float]:
         """(step, wire) seconds."""
         parameters, compute = models[model]
