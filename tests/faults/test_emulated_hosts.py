@@ -24,7 +24,7 @@ import sys
 import pytest
 
 from benchmarks.emulated_hosts import leftovers, namespaces_with_prefix
-from tests._mp import REPO_ROOT
+from tests._mp import REPO_ROOT, job_environment
 
 HARNESS = str(REPO_ROOT / "benchmarks" / "emulated_hosts.py")
 WORKER = str(REPO_ROOT / "tests" / "faults" / "emulated_hosts_worker.py")
@@ -155,15 +155,17 @@ def test_the_cross_host_benchmark_checks_every_peer():
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (DDP)")
 def test_the_cross_host_training_benchmark_checks_keras_dist_and_ddp():
-    # Most of its time is each rank importing TensorFlow and torch: about 20 s
-    # of CPU per rank, 1-2 minutes of wall time on this 2-core machine at a
-    # load average of 10 (TensorFlow's import alone took 45 s there).
+    # Most of its time is each rank importing its frameworks. The ranks run
+    # Keras on PyTorch (DDP needs torch anyway), TensorFlow and JAX hidden
+    # (tests/_tf_only): one framework a rank.
+    env = job_environment({**ENV, "KERAS_BACKEND": "torch"},
+                          hide=("tensorflow", "jax", "jaxlib", "matplotlib"))
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmarks" / "emulated_hosts_train.py"),
          "--hosts", "2", "--models", "mlp", "--kinds", "keras_dist,DDP",
          "--steps", "2", "--reps", "1", "--warmup", "1", "--link-seconds", "0.5",
          "--timeout", "240"],
-        capture_output=True, text=True, timeout=270, env=ENV)
+        capture_output=True, text=True, timeout=270, env=env)
     message = f"rc={done.returncode}\n{done.stdout}\n{done.stderr}"
     assert done.returncode == 0, message
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines()
