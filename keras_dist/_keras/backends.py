@@ -89,6 +89,16 @@ def host_function(function: Callable) -> Callable:
     return torch.compiler.disable(function)
 
 
+def fresh(value):
+    """``value`` in a buffer of its own (TensorFlow: a copy, so that an op may reduce
+    in it; a variable's value shares the variable's buffer); as is otherwise."""
+    if name() != "tensorflow":
+        return value
+    import tensorflow as tf
+
+    return tf.raw_ops.DeepCopy(x=value)
+
+
 def sync_model_state(model) -> None:
     """Makes ``model``'s variables hold the current values, inside ``fit`` too.
 

@@ -106,11 +106,10 @@ class Shards:
                     compat.exclude_from_weight_decay(inner, proxy)
                 self.own.append((index, piece, proxy))
         self.held = [target for _, _, target in self.own]
-        #: The exchange's buckets: runs of consecutive variables of at most the
-        #: fusion threshold's bytes (a larger variable alone), so its temporaries
-        #: are one bucket's, never the model's.
-        self.buckets = _buckets([_nbytes(v) for v in variables],
-                                context.get().config.fusion_threshold_bytes)
+        #: The exchange's buckets: runs of consecutive variables of one dtype and
+        #: at most the fusion threshold's bytes (a larger variable alone), so its
+        #: temporaries are a bucket's, never the model's.
+        self.buckets = _buckets(list(variables), context.get().config.fusion_threshold_bytes)
         #: Inner variables every rank holds alike (not slots of its share).
         self.replicated_inner = list(inner.variables)
         inner.build(self.held)
@@ -147,10 +146,13 @@ class Shards:
         """Every rank's share of the weights to every rank: a Sum allreduce per bucket
         of variables, each rank contributing its share and zeros elsewhere.
 
-        A bucket's zeros are made once the previous bucket is reduced (in a traced
-        TensorFlow step too: ``kinds.after``), so at most about two buckets of
-        temporaries live at once. A variable this rank owns whole keeps its value
-        (``x + 0 = x``): it is sent, not assigned.
+        A bucket is one flat buffer made for the call (the rank's rows and
+        zeros, concatenated), so the native op reduces in it and keeps no
+        buffer of its own between steps; each variable takes its slice. A
+        bucket is made once the previous bucket is reduced (in a traced
+        TensorFlow step too: ``kinds.after``), so about two buckets of
+        temporaries live at once. A variable this rank owns whole keeps its
+        value (``x + 0 = x``): it is sent, not assigned.
         """
         if self.size == 1:
             return
@@ -158,42 +160,49 @@ class Shards:
         previous: list = []
         for bucket in self.buckets:
             with kinds.after(previous):
-                contributions = [self._contribution(variables[i], self.pieces[i], i, owned)
-                                 for i in bucket]
-                summed = backends.host_function(_sum_allreduce)(contributions)
-            for i, value in zip(bucket, summed):
+                parts = [part for i in bucket
+                         for part in self._contribution(variables[i], self.pieces[i], i, owned)]
+                flat = (ops.concatenate(parts, axis=0) if len(parts) > 1
+                        else backends.fresh(parts[0]))
+                summed = backends.host_function(_sum_allreduce)([flat])[0]
+            offset = 0
+            for i in bucket:
+                variable = variables[i]
+                size = math.prod(int(d) for d in variable.shape)
                 if not (len(self.pieces[i]) == 1 and (i, 0) in owned):
-                    variables[i].assign(value)
-            previous = summed
+                    variable.assign(ops.reshape(summed[offset:offset + size], variable.shape))
+                offset += size
+            previous = [summed]
 
     @staticmethod
-    def _contribution(variable, pieces, index, owned):
-        """``variable``'s rows as this rank sends them: its own, zeros elsewhere."""
+    def _contribution(variable, pieces, index, owned) -> list:
+        """``variable``'s rows as this rank sends them, flat: its own, zeros elsewhere."""
+        row = math.prod(int(d) for d in variable.shape[1:])
         parts = []
         for piece in pieces:
             target = owned.get((index, piece.start))
             if target is not None:
-                parts.append(target.value)
-            elif len(pieces) == 1:
-                parts.append(ops.zeros(variable.shape, variable.dtype))
+                parts.append(ops.reshape(target.value, (-1,)))
             else:
-                parts.append(ops.zeros((piece.stop - piece.start, *variable.shape[1:]),
-                                       variable.dtype))
-        return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=0)
+                rows = (piece.stop - piece.start) if len(variable.shape) else 1
+                parts.append(ops.zeros((rows * row,), variable.dtype))
+        return parts
 
 
 def _nbytes(variable) -> int:
     return math.prod(int(d) for d in variable.shape) * _itemsize(variable.dtype)
 
 
-def _buckets(nbytes: list[int], limit: int) -> list[list[int]]:
-    """Indices ``0..len(nbytes)-1`` in runs of at most ``limit`` bytes (a larger one alone)."""
+def _buckets(variables: list, limit: int) -> list[list[int]]:
+    """Indices of ``variables`` in runs of one dtype and at most ``limit`` bytes (a
+    larger variable alone)."""
     buckets: list[list[int]] = []
-    total = 0
-    for index, size in enumerate(nbytes):
-        if not buckets or total + size > limit:
+    total, dtype = 0, None
+    for index, variable in enumerate(variables):
+        size = _nbytes(variable)
+        if not buckets or total + size > limit or variable.dtype != dtype:
             buckets.append([])
-            total = 0
+            total, dtype = 0, variable.dtype
         buckets[-1].append(index)
         total += size
     return buckets
