@@ -20,7 +20,8 @@ once (across ranks and launches: the batches after the commit a launch was
 resumed from are dropped, they were trained again), the counters end at the
 last epoch, batch 0, and nothing is left in /dev/shm. Each launch's
 processes import a framework (most of these tests' time): the four kills are
-one job of five launches, its reference run beside it.
+one job of five launches, its reference run beside it; the resized job's
+uninterrupted 3-rank run runs beside it too.
 """
 
 import glob
@@ -32,7 +33,7 @@ import time
 import numpy as np
 import pytest
 
-from tests._mp import run_job, start_job
+from tests._mp import start_job
 
 WORKER = "tests/elastic/keras_worker.py"
 EPOCHS, SAMPLES = 3, 96
@@ -150,12 +151,16 @@ def test_resize_three_two_three(tmp_path):
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
-    out = tmp_path / "out"
+    out, alone = tmp_path / "out", tmp_path / "alone"
     out.mkdir()
-    job = start_job(["python", WORKER, str(out), str(EPOCHS)], np=3,
-                    env=_env(tmp_path, KD_BATCH_SLEEP="0.15"),
-                    kdrun_args=["--min-np", "2", "--max-np", "3",
-                                "--host-discovery-script", str(script)])
+    alone.mkdir()
+    # The uninterrupted run at 3 ranks, beside the resized job, under the same deadline.
+    jobs = [start_job(["python", WORKER, str(alone), str(EPOCHS)], np=3, env=ENV,
+                      kdrun_args=["--max-restarts", "0"]),
+            start_job(["python", WORKER, str(out), str(EPOCHS)], np=3,
+                      env=_env(tmp_path, KD_BATCH_SLEEP="0.15"),
+                      kdrun_args=["--min-np", "2", "--max-np", "3",
+                                  "--host-discovery-script", str(script)])]
     try:
         deadline = time.monotonic() + TIMEOUT
         plan = [(0, (0, 2), "localhost:2\n"), (1, (1, 2), "localhost:3\n")]
@@ -163,9 +168,11 @@ def test_resize_three_two_three(tmp_path):
             while time.monotonic() < deadline and not _reached(out, launch, epoch, batch):
                 time.sleep(0.1)
             hosts.write_text(offer)
-        result = job.wait(max(1.0, deadline - time.monotonic()))
+        reference, result = [job.wait(max(1.0, deadline - time.monotonic())) for job in jobs]
     finally:
-        job.kill()
+        for job in jobs:
+            job.kill()
+    reference.check()
     result.check()
     assert not result.leftovers, result.describe()
     assert result.launcher_stderr.count("resizing") == 2, result.describe()
@@ -181,10 +188,9 @@ def test_resize_three_two_three(tmp_path):
             assert records[0]["lr"] == pytest.approx(0.02 * size), records[0]
     weights, infos = _final(str(out), 2, 3)
     # As good as an uninterrupted run: its loss at 3 ranks, within a small margin.
-    alone = run_job(["python", WORKER, str(tmp_path), str(EPOCHS)], np=3, timeout=TIMEOUT,
-                    env=ENV, kdrun_args=["--max-restarts", "0"]).check()
-    expected = json.loads(str(np.load(tmp_path / "launch0.rank0.npz")["info"]))["loss"]
-    assert abs(infos[0]["loss"] - expected) < 0.05, (infos[0]["loss"], expected, alone.stdout)
+    expected = json.loads(str(np.load(alone / "launch0.rank0.npz")["info"]))["loss"]
+    assert abs(infos[0]["loss"] - expected) < 0.05, (infos[0]["loss"], expected,
+                                                      reference.stdout)
     _no_state_left(tmp_path)
 
 
