@@ -16,16 +16,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 
+from tests._threads import one_thread_per_rank  # noqa: E402
+
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+one_thread_per_rank()
 if BACKEND == "tensorflow":
     import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-elif BACKEND == "torch":
-    import torch
-
-    torch.set_num_threads(1)
 
 import keras  # noqa: E402
 

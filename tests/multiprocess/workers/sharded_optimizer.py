@@ -15,16 +15,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 
-# Only the backend's own framework is imported (TensorFlow alone costs seconds of CPU).
+from tests._threads import one_thread_per_rank  # noqa: E402
+
+one_thread_per_rank()
 if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
     import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-elif os.environ["KERAS_BACKEND"] == "torch":
-    import torch
-
-    torch.set_num_threads(1)
 
 import keras  # noqa: E402
 
