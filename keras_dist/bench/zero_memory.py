@@ -47,6 +47,9 @@ def _state_bytes(optimizer) -> int:
 
 
 def _set_threads(threads: int) -> None:
+    """``threads`` per rank for the backend's framework (0: as the process has it)."""
+    if threads == 0:
+        return
     import keras
 
     backend = keras.backend.backend()
@@ -179,7 +182,9 @@ def main(argv=None) -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1,
-                        help="TensorFlow's (intra- and inter-op) or PyTorch's threads per rank")
+                        help="TensorFlow's (intra- and inter-op) or PyTorch's threads per "
+                             "rank; 0: the framework's own setting, unchanged (a process whose "
+                             "TensorFlow has started already cannot change it)")
     parser.add_argument("--breakdown", action="store_true",
                         help="time the collectives of each step on the timeline")
     args = parser.parse_args(argv)

@@ -1,4 +1,7 @@
-"""keras_dist.bench.zero_memory, tiny, in one process (the multi-rank run is in docs/zero.md)."""
+"""keras_dist.bench.zero_memory, tiny, in one process (the multi-rank run is in docs/zero.md).
+
+``--threads 0``: this process's TensorFlow may have started already (other
+tests ran before), and then its thread counts cannot change."""
 
 import json
 
@@ -9,7 +12,8 @@ from keras_dist.bench import zero_memory
 
 @pytest.mark.parametrize("mode", ["unsharded", "sharded"])
 def test_zero_memory_reports_state_memory_and_step_time(mode, capsys):
-    zero_memory.main(["--params", "3000", "--width", "16", "--steps", "1", "--mode", mode])
+    zero_memory.main(["--params", "3000", "--width", "16", "--steps", "1", "--mode", mode,
+                      "--threads", "0"])
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("ZERO ")
     result = json.loads(line[len("ZERO "):])
@@ -21,7 +25,7 @@ def test_zero_memory_reports_state_memory_and_step_time(mode, capsys):
 
 def test_zero_memory_breakdown_samples_the_peak(capsys):
     zero_memory.main(["--params", "3000", "--width", "16", "--steps", "2", "--mode", "sharded",
-                      "--breakdown"])
+                      "--breakdown", "--threads", "0"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1][len("ZERO "):])
     assert result["median_step_cpu_s"] > 0
     # One rank: no collective runs, so a sampled peak falls between collectives.
